@@ -1,0 +1,50 @@
+"""gradsync: synchronous data-parallel training over MPI, in the style of Horovod.
+
+Four lines turn a single-process PyTorch script into a data-parallel one::
+
+    import gradsync
+    gradsync.init()
+    opt = gradsync.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
+
+The core (this namespace minus the torch names) imports no deep-learning framework; the torch
+adapter is imported when one of its names is first used.
+"""
+
+from __future__ import annotations
+
+from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError
+from .handles import Handle
+from .ops import (
+    allgather, allgather_async, allgather_object, allreduce, allreduce_, allreduce_async,
+    allreduce_async_, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+    broadcast_object, poll, synchronize,
+)
+from .protocol import Average, Max, Min, Product, ReduceOp, Sum
+from .runtime import (
+    cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown, size,
+)
+
+__version__ = "0.1.0"
+
+_TORCH_NAMES = ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state")
+
+
+def __getattr__(name: str):
+    if name in _TORCH_NAMES:
+        from . import torch as torch_adapter
+
+        return getattr(torch_adapter, name)
+    raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "allgather", "allgather_async", "allgather_object", "barrier", "synchronize", "poll",
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
+    "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError",
+    *_TORCH_NAMES,
+]

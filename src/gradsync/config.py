@@ -1,0 +1,104 @@
+"""All configuration of gradsync, parsed in one place.
+
+Each setting is an environment variable with the ``GRADSYNC_`` prefix and the keyword argument of
+:func:`gradsync.init` of the same name in lower case (without the prefix). Keyword arguments win over
+the environment; the environment wins over the defaults in :data:`SETTINGS`.
+docs/configuration.md lists the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One configuration knob: its field name, type, default, unit and meaning."""
+
+    field: str
+    parse: Callable[[str], Any]
+    default: Any
+    unit: str
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "GRADSYNC_" + self.field.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "fusion_threshold", int, 1 << 20, "bytes",
+        "Largest fusion buffer. Ready tensors of the same dtype and op are packed together up to this "
+        "size; a tensor larger than it is reduced alone, in place, without a copy. 0 disables fusion.",
+    ),
+    Setting(
+        "cycle_time", float, 1.0, "milliseconds",
+        "How long the coordinator waits for more requests before negotiating again while some of its "
+        "requests are still waiting for other ranks. A new request always wakes it at once; with no "
+        "pending work it sleeps until one arrives.",
+    ),
+    Setting(
+        "shutdown_timeout", float, 30.0, "seconds",
+        "How long shutdown() waits for the other ranks to reach shutdown before giving up with a "
+        "warning.",
+    ),
+    Setting(
+        "log_level", str, "WARNING", "name",
+        "Level of the 'gradsync' logger: DEBUG, INFO, WARNING, ERROR.",
+    ),
+)
+
+_BY_FIELD = {s.field: s for s in SETTINGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Resolved configuration of one ``gradsync.init()``; see :data:`SETTINGS` for meanings."""
+
+    fusion_threshold: int = 1 << 20
+    cycle_time: float = 1.0
+    shutdown_timeout: float = 30.0
+    log_level: str = "WARNING"
+
+    @classmethod
+    def resolve(cls, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> "Config":
+        """Build the configuration from keyword ``overrides``, then ``environ``, then defaults.
+
+        Raises:
+            TypeError: an unknown keyword in ``overrides``.
+            ValueError: a value that does not parse, or is negative, naming the variable.
+        """
+        environ = os.environ if environ is None else environ
+        overrides = dict(overrides or {})
+        unknown = sorted(set(overrides) - set(_BY_FIELD))
+        if unknown:
+            raise TypeError(f"gradsync.init() got unknown settings {unknown}; "
+                            f"known: {sorted(_BY_FIELD)}")
+        values = {}
+        for setting in SETTINGS:
+            if setting.field in overrides and overrides[setting.field] is not None:
+                raw, source = overrides[setting.field], f"init({setting.field}=...)"
+            elif setting.env in environ:
+                raw, source = environ[setting.env], setting.env
+            else:
+                values[setting.field] = setting.default
+                continue
+            try:
+                value = setting.parse(raw) if isinstance(raw, str) else setting.parse(str(raw))
+            except ValueError as exc:
+                raise ValueError(f"{source}={raw!r} is not a valid {setting.unit} value: {exc}") from None
+            if isinstance(value, (int, float)) and value < 0:
+                raise ValueError(f"{source}={raw!r} must not be negative ({setting.unit})")
+            values[setting.field] = value
+        return cls(**values)
+
+
+def markdown_table() -> str:
+    """The settings as a Markdown table (variable, unit, default, meaning), for docs/configuration.md."""
+    rows = ["| variable | unit | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{s.env}` | {s.unit} | `{s.default}` | {s.help} |" for s in SETTINGS]
+    return "\n".join(rows)

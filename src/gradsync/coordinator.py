@@ -1,0 +1,237 @@
+"""The background coordinator: request queue, negotiation cycles, and execution of agreed collectives.
+
+One thread per process. It sleeps on a condition variable while there is nothing to do (no polling,
+PERF-NOTES.md fact 3), wakes at once when a request is queued, and runs *cycles*:
+
+1. take the newly queued requests;
+2. ``gather`` them to rank 0, which answers with the ordered responses (:mod:`gradsync.negotiation`)
+   by ``bcast``;
+3. execute every response in that order with the backend, then complete the handles.
+
+While some of its requests still wait for other ranks it cycles again after ``cycle_time`` ms (or at
+once on a new request). Only this thread touches its communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from . import dtypes, fusion
+from .backends.mpi import MpiBackend
+from .errors import CollectiveError, GradsyncError, ShutdownError
+from .handles import Handle
+from .negotiation import MessageTable
+from .protocol import CycleReply, Kind, ReduceOp, Request, Response
+
+log = logging.getLogger("gradsync")
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """A request together with this rank's memory for it.
+
+    ``source`` is a numpy view of the input; ``target`` a numpy view of where the result goes (the
+    same object for in-place ops; None where the coordinator allocates it, as for allgather).
+    ``result`` is what the handle returns; ``allocate`` makes it (and ``target``) when needed.
+    """
+
+    request: Request
+    handle: Handle
+    source: np.ndarray
+    target: np.ndarray | None
+    result: Any
+    allocate: Callable[[tuple[int, ...]], tuple[Any, np.ndarray]] | None = None
+
+
+class TensorQueue:
+    """Thread-safe queue of entries between the user's threads and the coordinator."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: list[Entry] = []
+        self._in_flight: set[str] = set()
+        self._shutdown = False
+        self.closed_error: BaseException | None = None
+
+    def push(self, entry: Entry) -> None:
+        """Queue ``entry`` and wake the coordinator.
+
+        Raises:
+            ValueError: a collective of the same name is still in flight on this rank.
+            GradsyncError: the coordinator has stopped (the error says why).
+        """
+        name = entry.request.name
+        with self._cond:
+            if self.closed_error is not None:
+                raise self.closed_error
+            if name in self._in_flight:
+                raise ValueError(f"gradsync: rank {entry.request.rank}: a collective named {name!r} is "
+                                 f"still in flight; wait for its handle before reusing the name")
+            self._in_flight.add(name)
+            self._entries.append(entry)
+            self._cond.notify()
+
+    def request_shutdown(self) -> None:
+        with self._cond:
+            self._shutdown = True
+            self._cond.notify()
+
+    def wait(self, timeout: float | None) -> tuple[list[Entry], bool]:
+        """Block until there are entries or shutdown was asked for, or ``timeout`` seconds passed.
+
+        Returns the drained entries and whether shutdown was asked for.
+        """
+        with self._cond:
+            if not self._entries and not self._shutdown:
+                self._cond.wait(timeout)
+            entries, self._entries = self._entries, []
+            return entries, self._shutdown
+
+    def finished(self, names: list[str]) -> None:
+        with self._cond:
+            self._in_flight.difference_update(names)
+
+    def close(self, error: BaseException) -> list[Entry]:
+        """Refuse further entries with ``error``; return those still queued."""
+        with self._cond:
+            self.closed_error = error
+            entries, self._entries = self._entries, []
+            self._in_flight.clear()
+            return entries
+
+
+class Coordinator:
+    """The background thread of one process; see the module docstring."""
+
+    def __init__(self, comm, fusion_threshold: int, cycle_time_ms: float) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.queue = TensorQueue()
+        self._backend = MpiBackend(comm)
+        self._buffers = fusion.FusionBuffers()
+        self._cycle_time = cycle_time_ms / 1000.0
+        self._table = MessageTable(self.size, fusion_threshold) if self.rank == 0 else None
+        self._pending: dict[str, Entry] = {}
+        self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
+        self._thread.start()
+
+    # ---- user side -------------------------------------------------------------------------
+    def submit(self, entry: Entry) -> Handle:
+        """Queue ``entry`` for negotiation; returns its handle at once."""
+        self.queue.push(entry)
+        return entry.handle
+
+    def shutdown(self, timeout: float) -> bool:
+        """Ask every rank to stop, wait up to ``timeout`` seconds; True if the thread ended."""
+        self.queue.request_shutdown()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- coordinator thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                timeout = self._cycle_time if self._pending else None
+                entries, shutdown = self.queue.wait(timeout)
+                for entry in entries:
+                    self._pending[entry.request.name] = entry
+                reply = self._negotiate(shutdown, [e.request for e in entries])
+                for response in reply.responses:
+                    self._execute(response)
+                if reply.shutdown_ranks:
+                    self._stop(ShutdownError(
+                        f"gradsync: rank {self.rank}: shut down while this collective was pending "
+                        f"(shutdown requested by rank(s) {list(reply.shutdown_ranks)})"))
+                    return
+        except BaseException as exc:  # the thread must never die silently
+            log.exception("gradsync: rank %d: coordinator failed", self.rank)
+            self._stop(GradsyncError(f"gradsync: rank {self.rank}: the background coordinator "
+                                     f"failed: {type(exc).__name__}: {exc}"), cause=exc)
+
+    def _negotiate(self, shutdown: bool, requests: list[Request]) -> CycleReply:
+        gathered = self.comm.gather((shutdown, requests), root=0)
+        reply = self._table.cycle(gathered) if self.rank == 0 else None
+        return self.comm.bcast(reply, root=0)
+
+    def _stop(self, error: BaseException, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        leftovers = self.queue.close(error)
+        for entry in list(self._pending.values()) + leftovers:
+            entry.handle._set_error(error)
+        self._pending.clear()
+
+    def _execute(self, response: Response) -> None:
+        entries = [self._pending.pop(name) for name in response.names]
+        try:
+            if response.error is not None:
+                raise CollectiveError(f"gradsync: rank {self.rank}: {response.error}")
+            if response.kind == Kind.ALLREDUCE:
+                self._allreduce(entries)
+            elif response.kind == Kind.BROADCAST:
+                self._broadcast(entries[0])
+            elif response.kind == Kind.ALLGATHER:
+                self._allgather(entries[0], response.first_dims)
+            # BARRIER: negotiation itself proved that every rank arrived.
+        except CollectiveError as exc:
+            for entry in entries:
+                entry.handle._set_error(exc)
+        else:
+            for entry in entries:
+                entry.handle._set_result(entry.result)
+        finally:
+            self.queue.finished(list(response.names))
+
+    def _allreduce(self, entries: list[Entry]) -> None:
+        request = entries[0].request
+        average = request.op == ReduceOp.Average
+        accumulator = dtypes.accumulator(request.dtype, average)
+        logical = request.dtype == "bool"
+        integer_average = average and request.dtype in dtypes.INTEGER
+        scale = request.postscale / self.size if average and not integer_average else request.postscale
+        divisor = self.size if integer_average else 1
+        only = entries[0]
+        if (len(entries) == 1 and only.target.dtype == accumulator
+                and only.target.flags.c_contiguous and only.target.flags.writeable):
+            # Alone and contiguous: reduce in the output's own memory, no fusion copy.
+            target = only.target
+            if only.source is not target or request.prescale != 1.0:
+                fusion.pack(only.source, target, request.prescale)
+            self._backend.allreduce(target.reshape(-1), request.op, logical)
+            fusion.unpack(target, target, scale, divisor)
+            return
+        counts = [math.prod(e.request.shape) for e in entries]
+        buffer = self._buffers.get(accumulator, sum(counts))
+        offsets = np.cumsum([0] + counts).tolist()
+        for entry, start, stop in zip(entries, offsets, offsets[1:]):
+            fusion.pack(entry.source, buffer[start:stop], request.prescale)
+        self._backend.allreduce(buffer, request.op, logical)
+        for entry, start, stop in zip(entries, offsets, offsets[1:]):
+            fusion.unpack(buffer[start:stop], entry.target, scale, divisor)
+
+    def _broadcast(self, entry: Entry) -> None:
+        root = entry.request.root
+        target = entry.target
+        if self.rank == root and entry.source is not target:
+            np.copyto(target, entry.source)
+        if target.flags.c_contiguous:
+            self._backend.broadcast(target, root)
+            return
+        staging = np.ascontiguousarray(target)
+        self._backend.broadcast(staging, root)
+        np.copyto(target, staging)
+
+    def _allgather(self, entry: Entry, first_dims: tuple[int, ...]) -> None:
+        shape = entry.request.shape
+        row_bytes = math.prod(shape[1:]) * entry.source.dtype.itemsize
+        result, target = entry.allocate((sum(first_dims),) + tuple(shape[1:]))
+        source = np.ascontiguousarray(entry.source)
+        self._backend.allgather(source, target, [d * row_bytes for d in first_dims])
+        entry.result = result

@@ -1,0 +1,59 @@
+"""Data types gradsync moves, and the rules for reducing them.
+
+Reductions are computed in an *accumulator* dtype that MPI supports exactly:
+
+==========================  =====================  =================================================
+tensor dtype                accumulator            why
+==========================  =====================  =================================================
+float16, bfloat16           float32                MPI has no 16-bit floating-point type; summing
+                                                   in float32 and rounding once is also more exact.
+int8, int16, int32, uint8   int64 for ``Average``  the sum must not overflow before the division.
+bool                        uint8 (logical ops)    Sum/Max are logical OR, Min/Product logical AND.
+everything else             itself
+==========================  =====================  =================================================
+
+Integer ``Average`` is the floor of the exact mean (``numpy.floor_divide`` of the sum by the
+number of ranks), as ``torch.div(..., rounding_mode="floor")``; the same on every rank.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+#: numpy dtype of each supported dtype name (bfloat16 through ml_dtypes).
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+
+SUPPORTED = tuple(NUMPY_DTYPES)
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The gradsync name of a numpy dtype ('float32', 'bfloat16', ...), or its str if unsupported."""
+    dtype = np.dtype(dtype)
+    if dtype == NUMPY_DTYPES["bfloat16"]:
+        return "bfloat16"
+    return dtype.name
+
+
+def accumulator(dtype: str, average: bool) -> np.dtype:
+    """The numpy dtype in which a reduction of ``dtype`` is computed (see the module table)."""
+    if dtype in ("float16", "bfloat16"):
+        return np.dtype(np.float32)
+    if dtype == "bool":
+        return np.dtype(np.uint8)
+    if average and dtype in INTEGER and dtype != "int64":
+        return np.dtype(np.int64)
+    return NUMPY_DTYPES[dtype]

@@ -1,0 +1,90 @@
+"""Fusion: planning which ready allreduces share one buffer, and packing them into it.
+
+Small tensors cost a fixed latency each; packing ready tensors of the same (dtype, op, scale factors)
+into one fusion buffer pays that latency once. On the CPU the pack and unpack copies cost more than
+they save for large tensors (PERF-NOTES.md, fact 4), so a tensor larger than the fusion threshold is
+reduced alone, in place in its own memory when it is contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import dtypes
+from .protocol import Kind, Request, Response, ReduceOp
+
+
+def nbytes(request: Request) -> int:
+    """Bytes the request occupies in a fusion buffer (its accumulator dtype times its elements)."""
+    acc = dtypes.accumulator(request.dtype, request.op == ReduceOp.Average)
+    return math.prod(request.shape) * acc.itemsize
+
+
+def plan_allreduce(ready: list[Request], threshold: int) -> list[Response]:
+    """Group ready allreduce requests into fused responses.
+
+    Requests with the same (dtype, op, prescale, postscale) are packed in order into responses of at
+    most ``threshold`` bytes; a request larger than ``threshold`` gets a response of its own. The
+    order of responses is the order of their first request, so every rank that runs the same plan
+    moves the same bytes in the same order.
+    """
+    groups: list[list[str]] = []
+    open_group: dict[tuple, tuple[int, int]] = {}  # fusion key -> (index in groups, bytes so far)
+    for request in ready:
+        size = nbytes(request)
+        key = (request.dtype, request.op, request.prescale, request.postscale)
+        if size > threshold:
+            groups.append([request.name])
+            continue
+        index, used = open_group.get(key, (-1, 0))
+        if index >= 0 and used + size <= threshold:
+            groups[index].append(request.name)
+            open_group[key] = (index, used + size)
+        else:
+            groups.append([request.name])
+            open_group[key] = (len(groups) - 1, size)
+    return [Response(Kind.ALLREDUCE, tuple(names)) for names in groups]
+
+
+class FusionBuffers:
+    """One reusable host buffer per accumulator dtype, grown on demand and never shrunk."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[np.dtype, np.ndarray] = {}
+
+    def get(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """A contiguous 1-d array of ``count`` elements of ``dtype`` (contents undefined)."""
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.size < count:
+            buffer = np.empty(max(count, 1), dtype=dtype)
+            self._buffers[dtype] = buffer
+        return buffer[:count]
+
+
+def pack(source: np.ndarray, target: np.ndarray, prescale: float) -> None:
+    """Copy ``source`` (any strides, any dtype) into the flat ``target`` slice, times ``prescale``."""
+    target = target.reshape(source.shape)
+    if prescale == 1.0:
+        np.copyto(target, source, casting="unsafe")
+    else:
+        np.multiply(source, prescale, out=target, casting="unsafe")
+
+
+def unpack(source: np.ndarray, target: np.ndarray, scale: float, floor_divisor: int) -> None:
+    """Copy the flat ``source`` slice into ``target`` (any strides), finishing the reduction.
+
+    Floating results are multiplied by ``scale``; integer averages are floor-divided by
+    ``floor_divisor`` (1 means no division). Casting to ``target``'s dtype rounds to nearest.
+    """
+    in_place = source is target
+    source = source.reshape(target.shape)
+    if floor_divisor != 1:
+        np.floor_divide(source, floor_divisor, out=source)
+    if scale == 1.0 and in_place:
+        return
+    if scale == 1.0:
+        np.copyto(target, source, casting="unsafe")
+    else:
+        np.multiply(source, scale, out=target, casting="unsafe")

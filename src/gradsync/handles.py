@@ -1,0 +1,55 @@
+"""Handles: the caller's side of an asynchronous collective."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class Handle:
+    """The pending result of one asynchronous collective (returned by the ``*_async`` ops).
+
+    Wait with :func:`gradsync.synchronize` (or :meth:`wait`), test with :func:`gradsync.poll`.
+    A handle completes exactly once, with a result or with an exception.
+    """
+
+    __slots__ = ("name", "_event", "_result", "_error")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the collective has finished, successfully or not; never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective finishes and return its output tensor.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` waits until it finishes.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first (the collective stays pending).
+            gradsync.CollectiveError, gradsync.ShutdownError: the collective failed; the message
+                names the tensor and the rank.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _set_result(self, result: Any) -> None:
+        self._result = result
+        self._event.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self.done() else "pending")
+        return f"<gradsync.Handle {self.name!r} {state}>"

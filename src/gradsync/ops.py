@@ -1,0 +1,251 @@
+"""The public collective operations, on numpy arrays, torch tensors, or any DLPack/array-API array.
+
+Every op is negotiated by the coordinator: it runs only once every rank has submitted it, in the
+same order on every rank, whatever order the ranks submitted in. ``*_async`` ops return a
+:class:`~gradsync.handles.Handle` at once; the others block until the result is ready.
+
+Names identify a collective across ranks: every rank must use the same name for the same
+collective. Unnamed ops are named by kind and by how many unnamed ops of that kind this rank
+issued before, so ranks must issue their unnamed ops in the same order.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from . import dtypes, runtime
+from .arrays import adapter_for
+from .coordinator import Entry
+from .handles import Handle
+from .protocol import Kind, ReduceOp, Request
+
+_SUPPORTED = ", ".join(dtypes.SUPPORTED)
+
+
+def _prepare(tensor: Any, name: str | None, kind: Kind):
+    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info, name."""
+    rt = runtime.get()
+    name = rt.auto_name(kind.name.lower()) if name is None else str(name)
+    adapter = adapter_for(tensor, name)
+    info = adapter.info(tensor)
+    where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {name!r}"
+    if info.dtype not in dtypes.NUMPY_DTYPES:
+        raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
+    if info.device != "cpu":
+        raise TypeError(f"{where}: the tensor is on {info.device}; this version of gradsync "
+                        "moves host (CPU) memory only")
+    return rt, adapter, info, name
+
+
+def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, postscale: float):
+    if dtype == "bool" and op == ReduceOp.Average:
+        raise TypeError(f"{where}: op=Average is not defined for bool tensors; use Sum (logical or) "
+                        "or Min (logical and)")
+    if dtype not in dtypes.FLOATING and (prescale != 1.0 or postscale != 1.0):
+        raise TypeError(f"{where}: prescale_factor={prescale} / postscale_factor={postscale} need a "
+                        f"floating-point tensor, but it is {dtype}")
+
+
+def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
+               postscale_factor: float, in_place: bool) -> Handle:
+    rt, adapter, info, name = _prepare(tensor, name, Kind.ALLREDUCE)
+    where = f"gradsync: rank {rt.rank}: allreduce of tensor {name!r}"
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    _check_reduction(where, info.dtype, op, prescale, postscale)
+    source = adapter.host_view(tensor)
+    if in_place:
+        if not source.flags.writeable:
+            raise ValueError(f"{where}: in-place allreduce of a read-only array")
+        result, target = tensor, source
+    else:
+        result = adapter.empty(tensor, info.shape)
+        target = adapter.host_view(result)
+    request = Request(name, Kind.ALLREDUCE, rt.rank, info.dtype, info.shape, op, -1,
+                      prescale, postscale)
+    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+
+
+def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce of ``tensor`` into a new tensor; same semantics as MPI_Allreduce.
+
+    Args:
+        tensor: any shape (zero-size and non-contiguous included) and a dtype of
+            :data:`gradsync.dtypes.SUPPORTED`, in host memory; the same shape and dtype on every rank.
+        name: identifies the collective across ranks (see the module docstring).
+        op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
+            ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
+        prescale_factor: multiplies the input before the reduction (floating dtypes only).
+        postscale_factor: multiplies the result after it (floating dtypes only).
+
+    Returns:
+        A handle; :func:`synchronize` returns a new tensor of the same type, shape and dtype.
+        float16/bfloat16 are reduced in float32 and rounded once.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
+            integer tensor. The message names the tensor and the rank.
+        ValueError: unknown ``op``; a collective of that name still in flight on this rank.
+        CollectiveError (from synchronize): ranks disagreed on dtype, shape, op or factors; the
+            message lists each rank's value.
+    """
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, in_place=False)
+
+
+def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """In-place form of :func:`allreduce_async`: the result is written into ``tensor`` itself.
+
+    Do not read or write ``tensor`` until the handle completes. Same arguments and errors as
+    :func:`allreduce_async`, plus ValueError for a read-only array.
+    """
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, in_place=True)
+
+
+def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Blocking :func:`allreduce_async`: returns the reduced tensor (a new one)."""
+    return synchronize(allreduce_async(tensor, name, op, prescale_factor, postscale_factor))
+
+
+def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Blocking :func:`allreduce_async_`: reduces ``tensor`` in place and returns it."""
+    return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor))
+
+
+def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) -> Handle:
+    rt, adapter, info, name = _prepare(tensor, name, Kind.BROADCAST)
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
+        raise ValueError(f"gradsync: rank {rt.rank}: broadcast of tensor {name!r}: root_rank="
+                         f"{root_rank!r} is not a rank of this job (0 .. {rt.size - 1})")
+    source = adapter.host_view(tensor)
+    if in_place:
+        if not source.flags.writeable:
+            raise ValueError(f"gradsync: rank {rt.rank}: broadcast_ of read-only tensor {name!r}")
+        result, target = tensor, source
+    else:
+        result = adapter.empty(tensor, info.shape)
+        target = adapter.host_view(result)
+    request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank))
+    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+    """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor on every rank.
+
+    Same semantics as MPI_Bcast. ``tensor`` must have the same shape and dtype on every rank (its
+    contents matter on the root only).
+
+    Raises:
+        ValueError: ``root_rank`` outside 0 .. size()-1 (checked before anything is sent).
+        TypeError, NotInitializedError, CollectiveError: as :func:`allreduce_async`.
+    """
+    return _broadcast(tensor, root_rank, name, in_place=False)
+
+
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+    """In-place :func:`broadcast_async`: ``tensor`` receives the root's values on every rank."""
+    return _broadcast(tensor, root_rank, name, in_place=True)
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+    """Blocking :func:`broadcast_async`: returns a new tensor holding the root's values."""
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+    """Blocking :func:`broadcast_async_`: overwrites ``tensor`` with the root's values, returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def allgather_async(tensor: Any, name: str | None = None) -> Handle:
+    """Start an allgather: the ranks' tensors concatenated along dimension 0, in rank order.
+
+    Same semantics as MPI_Allgatherv. ``tensor`` must have at least one dimension; the first
+    dimension may differ between ranks, the others and the dtype must match.
+
+    Returns:
+        A handle; :func:`synchronize` returns a new tensor of shape
+        ``(sum of every rank's shape[0],) + shape[1:]``.
+
+    Raises:
+        ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
+    """
+    rt, adapter, info, name = _prepare(tensor, name, Kind.ALLGATHER)
+    if len(info.shape) == 0:
+        raise ValueError(f"gradsync: rank {rt.rank}: allgather of tensor {name!r}: needs at least "
+                         "one dimension, got a 0-d tensor (reshape it to (1,))")
+
+    def allocate(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+        result = adapter.empty(tensor, shape)
+        return result, adapter.host_view(result)
+
+    request = Request(name, Kind.ALLGATHER, rt.rank, info.dtype, info.shape)
+    entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
+    return rt.coordinator.submit(entry)
+
+
+def allgather(tensor: Any, name: str | None = None) -> Any:
+    """Blocking :func:`allgather_async`: returns the concatenated tensor."""
+    return synchronize(allgather_async(tensor, name))
+
+
+def barrier(name: str | None = None) -> None:
+    """Block until every rank has called barrier (same semantics as MPI_Barrier).
+
+    Goes through the coordinator, so it is ordered with the collectives submitted before it.
+    """
+    rt = runtime.get()
+    name = rt.auto_name("barrier") if name is None else str(name)
+    request = Request(name, Kind.BARRIER, rt.rank, "uint8", ())
+    empty = np.empty(0, np.uint8)
+    synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+    """Broadcast any picklable object from ``root_rank``; returns the root's object on every rank.
+
+    The object is pickled on the root (arguments on other ranks are ignored), its size broadcast,
+    then its bytes. Same errors as :func:`broadcast`; unpickling errors propagate.
+    """
+    rt = runtime.get()
+    name = rt.auto_name("broadcast_object") if name is None else str(name)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rt.rank == root_rank else None
+    length = np.array([0 if payload is None else payload.size], np.int64)
+    broadcast_(length, root_rank, name=f"{name}.size")
+    data = payload.copy() if payload is not None else np.empty(int(length[0]), np.uint8)
+    broadcast_(data, root_rank, name=f"{name}.data")
+    return obj if rt.rank == root_rank else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Gather any picklable object from every rank; returns the list indexed by rank, on every rank."""
+    rt = runtime.get()
+    name = rt.auto_name("allgather_object") if name is None else str(name)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = allgather(np.array([payload.size], np.int64), name=f"{name}.size")
+    data = allgather(payload.copy(), name=f"{name}.data")
+    bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
+    return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle`` and return its output tensor (the input itself for in-place ops).
+
+    Raises the collective's error (CollectiveError, ShutdownError) if it failed.
+    """
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True if ``handle``'s collective has finished (successfully or not); never blocks."""
+    return handle.done()

@@ -1,0 +1,79 @@
+"""The messages of negotiation: what a rank asks for (Request) and what all ranks agree to do (Response).
+
+Both are small immutable tuples so that they pickle quickly; they are what crosses the coordinator's
+communicator every cycle.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operations of allreduce (same semantics as the MPI operations of the same name).
+
+    ``Average`` is ``Sum`` divided by the number of ranks; for integer tensors it is the floor of the
+    exact mean (see :mod:`gradsync.dtypes`).
+    """
+
+    Average = 0
+    Sum = 1
+    Min = 2
+    Max = 3
+    Product = 4
+
+
+Average = ReduceOp.Average
+Sum = ReduceOp.Sum
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+
+class Kind(enum.IntEnum):
+    """Which collective a request asks for."""
+
+    ALLREDUCE = 0
+    BROADCAST = 1
+    ALLGATHER = 2
+    BARRIER = 3
+
+
+class Request(NamedTuple):
+    """One rank's description of a collective it wants to run.
+
+    All ranks must send requests with the same ``name``; they must agree on every other field except
+    ``rank`` (and, for allgather, the first dimension of ``shape``).
+    """
+
+    name: str
+    kind: Kind
+    rank: int
+    dtype: str
+    shape: tuple[int, ...]
+    op: ReduceOp = ReduceOp.Average
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+
+class Response(NamedTuple):
+    """What every rank does next, in the same order on every rank.
+
+    ``names`` holds one tensor, or several fused into one buffer (allreduce only). ``error`` set means
+    the collective fails on every rank with that message. ``first_dims`` is, for allgather, the first
+    dimension each rank contributes (index = rank).
+    """
+
+    kind: Kind
+    names: tuple[str, ...]
+    error: str | None = None
+    first_dims: tuple[int, ...] = ()
+
+
+class CycleReply(NamedTuple):
+    """Rank 0's answer to one negotiation cycle: the responses, and whether to shut down."""
+
+    responses: tuple[Response, ...]
+    shutdown_ranks: tuple[int, ...] = ()

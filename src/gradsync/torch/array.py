@@ -1,0 +1,35 @@
+"""The :class:`gradsync.arrays.ArrayAdapter` for torch tensors (imported on first use)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..arrays import TensorInfo
+
+_NAMES = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
+    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+}
+
+
+class TorchAdapter:
+    """torch.Tensor on the CPU; bfloat16 is viewed through int16 as ml_dtypes.bfloat16."""
+
+    def info(self, x: torch.Tensor) -> TensorInfo:
+        return TensorInfo(_NAMES.get(x.dtype, str(x.dtype).removeprefix("torch.")),
+                          tuple(x.shape), str(x.device))
+
+    def host_view(self, x: torch.Tensor) -> np.ndarray:
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(dtypes.NUMPY_DTYPES["bfloat16"])
+        return x.numpy()
+
+    def empty(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+TORCH = TorchAdapter()

@@ -1,0 +1,213 @@
+"""DistributedOptimizer: allreduce gradients while backward runs, step once they are averaged."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterable, Iterator
+
+import torch
+
+from .. import ops, runtime
+from ..handles import Handle
+from ..protocol import ReduceOp
+
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
+
+    def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
+                        gradient_predivide_factor: float) -> None:
+        self._gs_rank = runtime.get().rank
+        self._gs_op = op
+        self._gs_prescale = 1.0 / gradient_predivide_factor
+        self._gs_postscale = gradient_predivide_factor
+        self._gs_passes = backward_passes_per_step
+        self._gs_names: dict[torch.Tensor, str] = {}
+        self._gs_counts: dict[torch.Tensor, int] = {}
+        self._gs_handles: dict[torch.Tensor, Handle] = {}
+        self._gs_hooks = []
+        self._gs_skip = False
+        self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
+        for group_index, group in enumerate(self.param_groups):
+            self._gs_track(group, group_index)
+
+    def _gs_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _gs_track(self, group: dict, group_index: int) -> None:
+        for index, param in enumerate(group["params"]):
+            if not param.requires_grad or param in self._gs_names:
+                continue
+            name = self._gs_given_names.get(param, f"param.{group_index}.{index}")
+            self._gs_names[param] = name
+            self._gs_counts[param] = 0
+            self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_hook))
+
+    def _gs_hook(self, param: torch.Tensor) -> None:
+        name = self._gs_names[param]
+        if param in self._gs_handles:
+            raise RuntimeError(
+                f"gradsync: rank {self._gs_rank}: parameter {name!r} received a gradient after its "
+                f"allreduce had started: more backward passes ran before step() than "
+                f"backward_passes_per_step={self._gs_passes}. Raise backward_passes_per_step to the "
+                "number of backward passes you accumulate, or call step() in between.")
+        self._gs_counts[param] += 1
+        if self._gs_counts[param] == self._gs_passes:
+            self._gs_submit(param)
+
+    def _gs_submit(self, param: torch.Tensor) -> None:
+        self._gs_handles[param] = ops.allreduce_async_(
+            param.grad, name=f"grad.{self._gs_names[param]}", op=self._gs_op,
+            prescale_factor=self._gs_prescale, postscale_factor=self._gs_postscale)
+
+    def synchronize(self) -> None:
+        """Wait until every gradient of this step is reduced, without stepping.
+
+        Parameters that received no gradient on this rank in a step where others did (an unused
+        branch) are reduced with zeros, so no rank waits for them. Does nothing if no backward ran
+        since the last step, so stale gradients are never reduced twice.
+
+        Raises:
+            CollectiveError, ShutdownError: a gradient's allreduce failed (message names it).
+        """
+        if not self._gs_handles and not any(self._gs_counts.values()):
+            return
+        for param in self._gs_names:
+            if param not in self._gs_handles:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._gs_submit(param)
+        handles, self._gs_handles = self._gs_handles, {}
+        self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+        for handle in handles.values():
+            ops.synchronize(handle)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize; use it after an explicit
+        ``synchronize()``, e.g. to clip the reduced gradients before stepping::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._gs_skip = True
+        try:
+            yield
+        finally:
+            self._gs_skip = False
+
+    def step(self, closure=None):
+        """Wait for this step's gradient allreduces (unless inside skip_synchronize), then step."""
+        if not self._gs_skip:
+            self.synchronize()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients, refusing while their allreduces are still in flight.
+
+        Raises:
+            RuntimeError: called between backward() and step(): the background allreduce writes
+                into the gradients it would zero.
+        """
+        if self._gs_handles:
+            names = sorted(self._gs_names[p] for p in self._gs_handles)
+            raise RuntimeError(
+                f"gradsync: rank {self._gs_rank}: optimizer.zero_grad() was called after backward() "
+                f"but before step(): the gradients of {len(names)} parameter(s) (e.g. {names[0]!r}) "
+                "are still being allreduced in the background, and zeroing them now races with that. "
+                "Call optimizer.step() or optimizer.synchronize() first.")
+        super().zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group (torch semantics); its parameters are reduced like the others."""
+        super().add_param_group(param_group)
+        if hasattr(self, "_gs_names"):
+            self._gs_track(self.param_groups[-1], len(self.param_groups) - 1)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load optimizer state (torch semantics) after finishing any allreduce in flight."""
+        for handle in self._gs_handles.values():
+            ops.synchronize(handle)
+        self._gs_handles = {}
+        self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+        super().load_state_dict(state_dict)
+
+
+def _check_names(named_parameters, params: list[torch.Tensor], rank: int) -> dict:
+    """Map parameter -> given name, checking for duplicate and missing names."""
+    if named_parameters is None:
+        return {}
+    pairs = list(named_parameters)
+    names = [name for name, _ in pairs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"gradsync: rank {rank}: named_parameters has duplicate names: {duplicates}")
+    given = {param: name for name, param in pairs}
+    missing = [i for i, p in enumerate(params) if p not in given]
+    if missing:
+        raise ValueError(
+            f"gradsync: rank {rank}: {len(missing)} optimizer parameter(s) have no name in "
+            f"named_parameters (positions {missing[:10]} in the optimizer's parameter list); pass "
+            "the named_parameters() of the module that owns every optimized parameter")
+    return given
+
+
+@functools.lru_cache(maxsize=None)
+def _distributed_class(cls: type) -> type:
+    return type(f"Distributed{cls.__name__}", (_DistributedOptimizer, cls), {})
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
+                         gradient_predivide_factor: float = 1.0) -> torch.optim.Optimizer:
+    """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
+
+    A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
+    in-place allreduce of its gradient as soon as backward has produced it, so communication
+    overlaps the rest of backward. ``step()`` waits for this step's allreduces, then runs the
+    wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks compute the
+    same update as one process on the N-times larger batch (same semantics as Horovod's
+    DistributedOptimizer).
+
+    The optimizer is wrapped *in place* (its class becomes a subclass that adds synchronisation)
+    and returned, so its state, param groups and any reference to it stay valid. Create LR
+    schedulers after wrapping.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over host (CPU) parameters.
+        named_parameters: ``model.named_parameters()``; names identify gradients across ranks and
+            appear in errors. Without it, parameters are named by position ("param.<group>.<index>").
+        backward_passes_per_step: backward passes accumulated locally before the allreduce
+            (gradient accumulation); gradients are summed over the passes, as in plain PyTorch.
+        op: ``Average`` (default) or ``Sum`` across ranks.
+        gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
+            by f/size after it (to keep low-precision sums in range).
+
+    Raises:
+        ValueError: duplicate names, optimizer parameters missing from ``named_parameters``,
+            ``backward_passes_per_step < 1``, a predivide factor with an op other than Average, or
+            an optimizer that is already distributed.
+        NotInitializedError: before ``gradsync.init()``.
+    """
+    rank = runtime.get().rank
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError(f"gradsync: rank {rank}: this optimizer is already a DistributedOptimizer")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"gradsync: rank {rank}: backward_passes_per_step must be >= 1, got "
+                         f"{backward_passes_per_step}")
+    op = ReduceOp(op)
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"gradsync: rank {rank}: DistributedOptimizer reduces gradients with "
+                         f"Average or Sum, got {op.name}")
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+        raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
+                         f"{gradient_predivide_factor} needs op=Average, got {op.name}")
+    optimizer.__class__ = _distributed_class(type(optimizer))
+    optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
+                              float(gradient_predivide_factor))
+    return optimizer

