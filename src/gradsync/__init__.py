@@ -16,13 +16,33 @@ from __future__ import annotations
 from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError
 from .handles import Handle
 from .ops import (
-    allgather, allgather_async, allgather_object, allreduce, allreduce_, allreduce_async,
-    allreduce_async_, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-    broadcast_object, poll, synchronize,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    poll,
+    synchronize,
 )
 from .protocol import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
-    cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown, size,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
 )
 
 __version__ = "0.1.0"

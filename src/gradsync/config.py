@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Config:
 
     @classmethod
     def resolve(cls, overrides: dict[str, Any] | None = None,
-                environ: dict[str, str] | None = None) -> "Config":
+                environ: dict[str, str] | None = None) -> Config:
         """Build the configuration from keyword ``overrides``, then ``environ``, then defaults.
 
         Raises:

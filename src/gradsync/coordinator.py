@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import math
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -146,25 +147,30 @@ class Coordinator:
                 for response in reply.responses:
                     self._execute(response)
                 if reply.shutdown_ranks:
-                    self._stop(ShutdownError(
-                        f"gradsync: rank {self.rank}: shut down while this collective was pending "
-                        f"(shutdown requested by rank(s) {list(reply.shutdown_ranks)})"))
+                    self._stop(ShutdownError, f"rank(s) {list(reply.shutdown_ranks)} called "
+                               "gradsync.shutdown() (or exited) first")
                     return
         except BaseException as exc:  # the thread must never die silently
             log.exception("gradsync: rank %d: coordinator failed", self.rank)
-            self._stop(GradsyncError(f"gradsync: rank {self.rank}: the background coordinator "
-                                     f"failed: {type(exc).__name__}: {exc}"), cause=exc)
+            self._stop(GradsyncError, f"the background coordinator failed: "
+                       f"{type(exc).__name__}: {exc}", cause=exc)
 
     def _negotiate(self, shutdown: bool, requests: list[Request]) -> CycleReply:
         gathered = self.comm.gather((shutdown, requests), root=0)
         reply = self._table.cycle(gathered) if self.rank == 0 else None
         return self.comm.bcast(reply, root=0)
 
-    def _stop(self, error: BaseException, cause: BaseException | None = None) -> None:
-        if cause is not None:
-            error.__cause__ = cause
-        leftovers = self.queue.close(error)
+    def _stop(self, error_type: type[GradsyncError], reason: str,
+              cause: BaseException | None = None) -> None:
+        """Refuse new work and fail every pending handle, each with a message naming its tensor."""
+        closed = error_type(f"gradsync: rank {self.rank}: gradsync has stopped: {reason}")
+        closed.__cause__ = cause
+        leftovers = self.queue.close(closed)
         for entry in list(self._pending.values()) + leftovers:
+            request = entry.request
+            error = error_type(f"gradsync: rank {self.rank}: {request.kind.name.lower()} "
+                               f"{request.name!r} did not complete: {reason}")
+            error.__cause__ = cause
             entry.handle._set_error(error)
         self._pending.clear()
 

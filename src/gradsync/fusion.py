@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from . import dtypes
-from .protocol import Kind, Request, Response, ReduceOp
+from .protocol import Kind, ReduceOp, Request, Response
 
 
 def nbytes(request: Request) -> int:
@@ -69,7 +69,9 @@ def pack(source: np.ndarray, target: np.ndarray, prescale: float) -> None:
     if prescale == 1.0:
         np.copyto(target, source, casting="unsafe")
     else:
-        np.multiply(source, prescale, out=target, casting="unsafe")
+        # In the buffer's (accumulator's) precision: float16/bfloat16 inputs are scaled in float32,
+        # so the result is rounded to the tensor's dtype only once, after the reduction.
+        np.multiply(source, prescale, out=target, dtype=target.dtype, casting="unsafe")
 
 
 def unpack(source: np.ndarray, target: np.ndarray, scale: float, floor_divisor: int) -> None:

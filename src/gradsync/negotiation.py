@@ -9,7 +9,7 @@ whatever order its own tensors were produced in.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from . import fusion
 from .protocol import CycleReply, Kind, Request, Response

@@ -29,9 +29,12 @@ def _prepare(tensor: Any, name: str | None, kind: Kind):
     """Check ``tensor`` is something gradsync can move; return runtime, adapter, info, name."""
     rt = runtime.get()
     name = rt.auto_name(kind.name.lower()) if name is None else str(name)
-    adapter = adapter_for(tensor, name)
-    info = adapter.info(tensor)
     where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {name!r}"
+    try:
+        adapter = adapter_for(tensor, name)
+    except TypeError as exc:  # name the rank too, as every error about a collective does
+        raise TypeError(f"{where}: {str(exc).removeprefix('gradsync: ')}") from None
+    info = adapter.info(tensor)
     if info.dtype not in dtypes.NUMPY_DTYPES:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
     if info.device != "cpu":

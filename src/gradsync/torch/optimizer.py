@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -156,7 +156,7 @@ def _check_names(named_parameters, params: list[torch.Tensor], rank: int) -> dic
     return given
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _distributed_class(cls: type) -> type:
     return type(f"Distributed{cls.__name__}", (_DistributedOptimizer, cls), {})
 
@@ -190,13 +190,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Raises:
         ValueError: duplicate names, optimizer parameters missing from ``named_parameters``,
-            ``backward_passes_per_step < 1``, a predivide factor with an op other than Average, or
-            an optimizer that is already distributed.
+            ``backward_passes_per_step < 1``, a predivide factor with an op other than Average, an
+            optimizer that is already distributed, or one whose ``step`` an LR scheduler created
+            before wrapping has already replaced.
         NotInitializedError: before ``gradsync.init()``.
     """
     rank = runtime.get().rank
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError(f"gradsync: rank {rank}: this optimizer is already a DistributedOptimizer")
+    if "step" in vars(optimizer):
+        raise ValueError(
+            f"gradsync: rank {rank}: optimizer.step has been replaced on this optimizer object (an "
+            "LR scheduler created before wrapping does this), so gradients would not be averaged; "
+            "wrap the optimizer with gradsync.DistributedOptimizer before creating LR schedulers")
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"gradsync: rank {rank}: backward_passes_per_step must be >= 1, got "
                          f"{backward_passes_per_step}")
@@ -207,7 +213,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
-    optimizer.__class__ = _distributed_class(type(optimizer))
-    optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
-                              float(gradient_predivide_factor))
+    original = type(optimizer)
+    optimizer.__class__ = _distributed_class(original)
+    try:
+        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
+                                  float(gradient_predivide_factor))
+    except BaseException:
+        optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
+        raise
     return optimizer

@@ -1,0 +1,134 @@
+"""Training-step time: gradsync vs PyTorch DDP (gloo) vs a single process, on the same model.
+
+Run one configuration per launch (the driver below interleaves them):
+
+    mpiexec -n 2 python benchmarks/train_step.py --mode gradsync [--fusion-threshold BYTES]
+    mpiexec -n 2 python benchmarks/train_step.py --mode ddp
+    python benchmarks/train_step.py --mode single
+
+or all of them, interleaved, with a table at the end:
+
+    python benchmarks/train_step.py --compare --ranks 2 --repeats 3
+
+Model: 24 x (Linear(768, 768) + ReLU) + Linear(768, 10) (50 tensors, 14.2 M parameters), batch 32 per
+rank, SGD with momentum, torch.set_num_threads(1). Prints the median step time in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODEL_LAYERS, WIDTH, BATCH = 24, 768, 32
+
+
+def build_model():
+    import torch
+
+    layers = []
+    for _ in range(MODEL_LAYERS):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(WIDTH, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def measure(mode: str, steps: int, warmup: int, fusion_threshold: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model()
+    rank = 0
+    if mode == "gradsync":
+        import gradsync
+
+        settings = {} if fusion_threshold is None else {"fusion_threshold": fusion_threshold}
+        gradsync.init(**settings)
+        rank = gradsync.rank()
+        optimizer = gradsync.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            named_parameters=model.named_parameters())
+        gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif mode == "ddp":
+        import torch.distributed as dist
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        rank = world.Get_rank()
+        port = world.bcast(29500 + os.getpid() % 1000, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world.Get_size())
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    if mode == "ddp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank == 0:
+        print(f"median_step_ms={statistics.median(times) * 1e3:.2f}", flush=True)
+
+
+def compare(ranks: int, repeats: int, steps: int, thresholds: list[int]) -> None:
+    """Launch every configuration `repeats` times, interleaved, and print a table of medians."""
+    here = os.path.abspath(__file__)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    configs = [("single", ["--mode", "single"], False), ("ddp (gloo)", ["--mode", "ddp"], True)]
+    configs += [(f"gradsync, fusion {t >> 10} KiB", ["--mode", "gradsync", "--fusion-threshold",
+                                                    str(t)], True) for t in thresholds]
+    results: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for _ in range(repeats):
+        for name, args, parallel in configs:
+            cmd = [sys.executable, here, *args, "--steps", str(steps)]
+            if parallel:
+                cmd = [mpiexec, "-n", str(ranks), *cmd]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            line = [x for x in out.stdout.splitlines() if x.startswith("median_step_ms=")]
+            if not line:
+                raise SystemExit(f"{name} failed:\n{out.stdout}\n{out.stderr}")
+            results[name].append(float(line[0].split("=")[1]))
+    single = statistics.median(results["single"])
+    ddp = statistics.median(results["ddp (gloo)"])
+    print(f"\n{ranks} ranks, batch {BATCH} per rank, median of {repeats} launches x {steps} steps")
+    print(f"{'configuration':28s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s}")
+    for name, values in results.items():
+        median = statistics.median(values)
+        print(f"{name:28s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["single", "gradsync", "ddp"], default="gradsync")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--fusion-threshold", type=int, default=None, help="bytes")
+    parser.add_argument("--compare", action="store_true", help="run every configuration")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--thresholds", type=str, default="262144,1048576,4194304,16777216,67108864",
+                        help="fusion thresholds (bytes, comma separated) for --compare")
+    args = parser.parse_args()
+    if args.compare:
+        compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")])
+    else:
+        measure(args.mode, args.steps, args.warmup, args.fusion_threshold)
+
+
+if __name__ == "__main__":
+    main()

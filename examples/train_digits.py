@@ -1,0 +1,138 @@
+"""Data-parallel training of a small MLP on scikit-learn's digits data set with gradsync.
+
+Every rank trains the same model on its own shard of the training set; gradsync averages the
+gradients while backward runs, so N ranks take the same steps as one process with an N-times larger
+batch. Lines marked ``# gradsync:`` are the ones that make the script data-parallel.
+
+    mpiexec -n 2 python examples/train_digits.py             # 2 ranks
+    mpiexec -n 2 python examples/train_digits.py --resume    # continue from the last checkpoint
+    python examples/train_digits.py                          # a single process works too
+
+The last line printed (by rank 0) is ``test_accuracy=<float>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from tqdm import tqdm
+
+import gradsync
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.05,
+                        help="learning rate of one process; multiplied by the number of ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default="checkpoints/digits.pt")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    return parser.parse_args()
+
+
+def load_data() -> tuple[torch.Tensor, ...]:
+    """The same train/test split on every rank: 1347 training and 450 test images of 8x8 pixels."""
+    digits = load_digits()
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
+                                           stratify=digits.target)
+    return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Accuracy on the whole test set: each rank scores its shard, then the counts are summed."""
+    x, y = x[gradsync.rank()::gradsync.size()], y[gradsync.rank()::gradsync.size()]
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x).argmax(1) == y).sum().item()
+    model.train()
+    # gradsync: sum [correct, total] over all ranks.
+    counts = torch.tensor([correct, len(y)])
+    correct, total = gradsync.allreduce(counts, name="test_counts", op=gradsync.Sum).tolist()
+    return correct / total
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # one process per core: keep torch from oversubscribing it
+    gradsync.init()  # gradsync: start the background coordinator
+    rank, size = gradsync.rank(), gradsync.size()
+
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_data()
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    loss_fn = nn.CrossEntropyLoss()
+    # gradsync: the batch is `size` times larger than one process's, so is the learning rate.
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
+    # gradsync: gradients are averaged across ranks during backward(); step() waits for them.
+    opt = gradsync.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+    start_epoch = 0
+    if args.resume and rank == 0:  # only rank 0 reads the file; the broadcasts below share it
+        if os.path.exists(args.checkpoint):
+            state = torch.load(args.checkpoint)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            for group in opt.param_groups:  # the run may have a different number of ranks
+                group["lr"] = args.lr * size
+            start_epoch = state["epoch"] + 1
+            print(f"resuming from {args.checkpoint} at epoch {start_epoch + 1}", flush=True)
+        else:
+            print(f"no checkpoint at {args.checkpoint}; starting from scratch", flush=True)
+    # gradsync: every rank starts from rank 0's weights, optimizer state and epoch.
+    gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
+    gradsync.broadcast_optimizer_state(opt, root_rank=0)
+    start_epoch = gradsync.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
+
+    # Every rank takes the same number of full batches per epoch (the remainder is dropped), so no
+    # rank waits at a gradient allreduce that another rank never reaches.
+    steps = len(y_train) // size // args.batch_size
+    # The bar goes to stdout so that it stays in order with the printed lines.
+    progress = tqdm(total=(args.epochs - start_epoch) * steps, disable=rank != 0, file=sys.stdout)
+    for epoch in range(start_epoch, args.epochs):
+        # A permutation shared by all ranks (same seed), then disjoint shards: indices[rank::size].
+        epoch_rng = torch.Generator().manual_seed(args.seed + epoch)
+        order = torch.randperm(len(y_train), generator=epoch_rng)
+        shard = order[rank::size][:steps * args.batch_size]
+        loss_sum = correct = 0.0
+        for batch in shard.split(args.batch_size):
+            x, y = x_train[batch], y_train[batch]
+            opt.zero_grad()
+            logits = model(x)
+            loss = loss_fn(logits, y)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item()
+            correct += (logits.argmax(1) == y).sum().item()
+            progress.update()
+
+        # gradsync: average this rank's metrics over all ranks (each collective needs its own name).
+        train_loss = gradsync.allreduce(torch.tensor(loss_sum / steps), name="train_loss").item()
+        train_acc = gradsync.allreduce(torch.tensor(correct / len(shard)), name="train_acc").item()
+        test_acc = evaluate(model, x_test, y_test)
+        if rank == 0:  # gradsync: one rank writes the checkpoint
+            os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
+                       args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never leave a half-written file
+            progress.write(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss:.4f} "
+                           f"train_accuracy={train_acc:.4f} test_accuracy={test_acc:.4f}")
+    progress.close()
+
+    final = evaluate(model, x_test, y_test)
+    if rank == 0:
+        print(f"test_accuracy={final:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Fusion: which ready allreduces share a buffer (plan_allreduce), and packing them into it.
+
+Single process, no MPI.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gradsync import fusion
+from gradsync.protocol import Kind, ReduceOp, Request, Response
+
+
+def request(name, count=10, dtype="float32", op=ReduceOp.Sum, prescale=1.0, postscale=1.0,
+            rank=0):
+    return Request(name, Kind.ALLREDUCE, rank, dtype, (count,), op, -1, prescale, postscale)
+
+
+def plan(requests, threshold=1 << 20):
+    """The plan as a list of name tuples (checking the responses' other fields on the way)."""
+    responses = fusion.plan_allreduce(list(requests), threshold)
+    for response in responses:
+        assert response == Response(Kind.ALLREDUCE, response.names)  # no error, no first_dims
+    return [response.names for response in responses]
+
+
+# ---- how much room a request takes -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, op, itemsize", [
+    ("float32", ReduceOp.Sum, 4),
+    ("float64", ReduceOp.Average, 8),
+    ("float16", ReduceOp.Sum, 4),      # reduced in float32
+    ("bfloat16", ReduceOp.Max, 4),     # reduced in float32
+    ("int8", ReduceOp.Sum, 1),
+    ("int8", ReduceOp.Average, 8),     # averaged in int64, so the sum cannot overflow
+    ("uint8", ReduceOp.Average, 8),
+    ("int32", ReduceOp.Average, 8),
+    ("int64", ReduceOp.Average, 8),
+    ("bool", ReduceOp.Sum, 1),         # logical ops on 0/1 uint8
+])
+def test_a_request_takes_its_accumulator_bytes(dtype, op, itemsize):
+    assert fusion.nbytes(request("t", count=7, dtype=dtype, op=op)) == 7 * itemsize
+
+
+def test_a_multi_dimensional_or_empty_request_counts_its_elements():
+    assert fusion.nbytes(Request("t", Kind.ALLREDUCE, 0, "float64", (3, 4, 5))) == 3 * 4 * 5 * 8
+    assert fusion.nbytes(Request("t", Kind.ALLREDUCE, 0, "float32", ())) == 4
+    assert fusion.nbytes(Request("t", Kind.ALLREDUCE, 0, "float32", (2, 0))) == 0
+
+
+# ---- grouping ----------------------------------------------------------------------------------
+
+def test_nothing_ready_plans_nothing():
+    assert plan([]) == []
+
+
+def test_small_tensors_of_one_kind_share_one_buffer_in_submission_order():
+    assert plan([request("a"), request("b"), request("c")]) == [("a", "b", "c")]
+
+
+@pytest.mark.parametrize("field, values", [
+    ("dtype", ("float32", "float64")),
+    ("op", (ReduceOp.Sum, ReduceOp.Max)),
+    ("prescale", (1.0, 0.5)),
+    ("postscale", (1.0, 2.0)),
+])
+def test_tensors_differing_in_dtype_op_or_scale_factors_are_not_fused(field, values):
+    one, other = ({field: value} for value in values)
+    requests = [request("a", **one), request("b", **other), request("c", **one),
+                request("d", **other)]
+    assert plan(requests) == [("a", "c"), ("b", "d")]
+
+
+def test_responses_come_in_the_order_of_their_first_request():
+    requests = [request("i", dtype="int32"), request("f"), request("j", dtype="int32"),
+                request("d", dtype="float64"), request("g")]
+    assert plan(requests) == [("i", "j"), ("f", "g"), ("d",)]
+
+
+def test_a_buffer_holds_at_most_threshold_bytes():
+    # 100 float32 = 400 bytes each.
+    requests = [request(name, count=100) for name in "abcde"]
+    assert plan(requests, threshold=1000) == [("a", "b"), ("c", "d"), ("e",)]
+    assert plan(requests, threshold=1200) == [("a", "b", "c"), ("d", "e")]  # exactly full is fine
+
+
+def test_the_threshold_counts_accumulator_bytes():
+    # 200 float16 are 400 bytes in memory but 800 in the float32 buffer.
+    requests = [request("a", count=200, dtype="float16"), request("b", count=200, dtype="float16")]
+    assert plan(requests, threshold=1000) == [("a",), ("b",)]
+    assert plan(requests, threshold=1600) == [("a", "b")]
+
+
+def test_a_tensor_larger_than_the_threshold_is_reduced_alone():
+    requests = [request("small1"), request("big", count=1000), request("small2")]
+    # The big one neither joins nor closes the open buffer; the buffer comes first (first request).
+    assert plan(requests, threshold=1000) == [("small1", "small2"), ("big",)]
+
+
+def test_a_tensor_of_exactly_the_threshold_fits_in_a_buffer():
+    assert plan([request("a", count=250), request("b", count=1)], threshold=1000) == \
+        [("a",), ("b",)]
+    assert plan([request("a", count=250)], threshold=1000) == [("a",)]
+
+
+def test_a_full_buffer_is_followed_by_a_new_one_for_the_same_key():
+    requests = [request("a", count=200), request("x", dtype="int64"), request("b", count=200),
+                request("y", dtype="int64"), request("c", count=50)]
+    # a (800 B) + b (800 B) > 1000: b opens a new float32 buffer, which c then joins.
+    assert plan(requests, threshold=1000) == [("a",), ("x", "y"), ("b", "c")]
+
+
+def test_threshold_zero_disables_fusion():
+    requests = [request(name, count=1) for name in "abc"]
+    assert plan(requests, threshold=0) == [("a",), ("b",), ("c",)]
+
+
+def test_the_default_threshold_fuses_a_megabyte():
+    requests = [request(f"t{i}", count=1024) for i in range(300)]  # 4 kB each, 1.2 MB in all
+    groups = plan(requests)
+    assert [len(g) for g in groups] == [256, 44]
+    assert [name for group in groups for name in group] == [r.name for r in requests]
+
+
+# ---- buffers, pack and unpack -----------------------------------------------------------------
+
+def test_fusion_buffers_are_reused_per_dtype_and_grown_on_demand():
+    buffers = fusion.FusionBuffers()
+    a = buffers.get(np.dtype(np.float32), 10)
+    assert a.shape == (10,) and a.dtype == np.float32 and a.flags.c_contiguous
+    b = buffers.get(np.dtype(np.float32), 5)
+    assert np.shares_memory(a, b)  # reused
+    c = buffers.get(np.dtype(np.float32), 100)
+    assert c.shape == (100,)
+    assert not np.shares_memory(a, c)  # grown
+    assert buffers.get(np.dtype(np.float32), 0).shape == (0,)
+    assert not np.shares_memory(c, buffers.get(np.dtype(np.int64), 10))  # one buffer per dtype
+
+
+def test_pack_copies_any_strides_into_the_flat_buffer():
+    source = np.arange(12, dtype=np.int32).reshape(3, 4).T  # not contiguous
+    buffer = np.zeros(12, np.int64)
+    fusion.pack(source, buffer, 1.0)
+    assert buffer.tolist() == source.ravel().tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_pack_prescales_16_bit_floats_in_float32(dtype):
+    """The inputs are scaled in the buffer's float32, not rounded to 16 bits before the sum."""
+    source = np.array([1.0009765625, 0.58203125, 1.74609375, -3.0]).astype(dtype)
+    buffer = np.empty(4, np.float32)
+    fusion.pack(source, buffer, 3.0)
+    assert buffer.tolist() == (source.astype(np.float32) * np.float32(3.0)).tolist()
+
+
+def test_unpack_floor_divides_integer_averages():
+    buffer = np.array([-3, 3, -4, 5, -1], np.int64)  # sums over 2 ranks
+    target = np.empty(5, np.int8)
+    fusion.unpack(buffer, target, 1.0, 2)
+    assert target.tolist() == [-2, 1, -2, 2, -1]  # floor, not truncation towards zero
+
+
+def test_unpack_scales_and_rounds_once_into_a_strided_target():
+    base = np.zeros((2, 6), np.float16)
+    target = base[:, ::2]
+    buffer = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 2049.0], np.float32)
+    fusion.unpack(buffer, target, 0.5, 1)
+    assert target.tolist() == [[0.5, 1.0, 1.5], [2.0, 2.5, 1024.0]]
+    assert base[:, 1::2].tolist() == [[0.0] * 3] * 2  # the elements between are untouched
+
+
+def test_unpack_in_place_without_scale_leaves_the_values():
+    buffer = np.array([1.5, -2.0], np.float32)
+    fusion.unpack(buffer, buffer, 1.0, 1)
+    assert buffer.tolist() == [1.5, -2.0]

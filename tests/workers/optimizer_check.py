@@ -1,0 +1,249 @@
+"""Behaviour of DistributedOptimizer and the broadcast helpers, checked on every rank.
+
+Each case is a function; a failing case prints its traceback and aborts the whole job so that no
+rank waits for it.
+"""
+
+import copy
+import traceback
+
+import torch
+from mpi4py import MPI
+
+import gradsync
+
+torch.set_num_threads(1)
+gradsync.init()
+rank, size = gradsync.rank(), gradsync.size()
+
+
+def model_and_optimizer(seed=0, lr=0.1, **kwargs):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return model, gradsync.DistributedOptimizer(optimizer, model.named_parameters(), **kwargs)
+
+
+def local_batch(seed=7):
+    g = torch.Generator().manual_seed(seed + rank)
+    return torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+
+
+def raises(exc_type, *fragments):
+    """Context manager: the block raises exc_type with every fragment in its message."""
+    class Expect:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, value, tb):
+            assert kind is not None, f"expected {exc_type.__name__}, nothing was raised"
+            assert issubclass(kind, exc_type), f"expected {exc_type.__name__}, got {kind.__name__}: {value}"
+            for fragment in fragments:
+                assert fragment in str(value), f"{fragment!r} not in message: {value}"
+            return True
+    return Expect()
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def case_zero_grad_between_backward_and_step_raises():
+    model, opt = model_and_optimizer()
+    loss_of(model, *local_batch()).backward()
+    with raises(RuntimeError, "zero_grad() was called after backward()", "step()", f"rank {rank}"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()  # fine after step
+
+
+def case_gradients_are_averaged_across_ranks():
+    model, opt = model_and_optimizer()
+    loss_of(model, *local_batch()).backward()
+    opt.synchronize()
+    expected = None
+    for r in range(size):  # recompute every rank's local gradient here
+        twin = copy.deepcopy(model)
+        for p, q in zip(twin.parameters(), model.parameters()):
+            p.data.copy_(q.data)
+            p.grad = None
+        g = torch.Generator().manual_seed(7 + r)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+        loss_of(twin, x, y).backward()
+        grads = [p.grad / size for p in twin.parameters()]
+        expected = grads if expected is None else [a + b for a, b in zip(expected, grads)]
+    for p, e in zip(model.parameters(), expected):
+        assert torch.allclose(p.grad, e, atol=1e-6), (p.grad, e)
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def case_duplicate_and_missing_names_raise():
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dup = [("w", model.weight), ("w", model.bias)]
+    with raises(ValueError, "duplicate names", "'w'"):
+        gradsync.DistributedOptimizer(opt, named_parameters=dup)
+    with raises(ValueError, "no name in named_parameters", "[1]"):
+        gradsync.DistributedOptimizer(opt, named_parameters=[("weight", model.weight)])
+
+
+def case_wrapping_twice_raises():
+    _, opt = model_and_optimizer()
+    with raises(ValueError, "already a DistributedOptimizer"):
+        gradsync.DistributedOptimizer(opt)
+
+
+def case_scheduler_created_before_wrapping_raises():
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with raises(ValueError, "before creating LR schedulers"):
+        gradsync.DistributedOptimizer(opt, model.named_parameters())
+    # The supported order: wrap first, then the scheduler steps the distributed optimizer.
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+
+
+def case_frozen_parameters_are_skipped():
+    torch.manual_seed(0)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    model2[0].weight.requires_grad_(False)
+    opt2 = gradsync.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1),
+                                         model2.named_parameters())
+    loss_of(model2, *local_batch()).backward()
+    opt2.step()
+    assert model2[0].weight.grad is None
+    assert model2[0].bias.grad is not None
+
+
+def case_skip_synchronize_for_clipping_matches_single_process():
+    model, opt = model_and_optimizer()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # Rebuild the exact local batches of every rank for the reference.
+    batches = []
+    for r in range(size):
+        g = torch.Generator().manual_seed(7 + r)
+        batches.append((torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)))
+    x_all = torch.cat([b[0] for b in batches])
+    y_all = torch.cat([b[1] for b in batches])
+    loss_of(model, *batches[rank]).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    with opt.skip_synchronize():
+        opt.step()
+    loss_of(reference, x_all, y_all).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), (p - q).abs().max()
+
+
+def case_too_many_backward_passes_raises():
+    model, opt = model_and_optimizer(backward_passes_per_step=2)
+    x, y = local_batch()
+    loss_of(model, x, y).backward()
+    loss_of(model, x, y).backward()
+    with raises(RuntimeError, "backward_passes_per_step=2", "Raise backward_passes_per_step"):
+        loss_of(model, x, y).backward()
+    opt.step()
+
+
+def case_unused_parameter_on_one_rank_is_reduced_with_zeros():
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    params = list(trunk.named_parameters(prefix="trunk")) + list(branch.named_parameters(prefix="branch"))
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), params)
+    x, _ = local_batch()
+    out = trunk(x) + (branch(x) if rank == 0 else 0)  # the branch is unused on ranks > 0
+    out.sum().backward()
+    opt.step()  # must not hang
+    g = torch.Generator().manual_seed(7)
+    x0 = torch.randn(5, 4, generator=g)
+    expected = x0.sum(0).expand(2, 4) / size  # d(sum(branch(x0)))/dW, averaged with zeros
+    assert torch.allclose(branch.weight.grad, expected, atol=1e-6), (branch.weight.grad, expected)
+
+
+def case_step_without_backward_does_not_rereduce():
+    model, opt = model_and_optimizer()
+    loss_of(model, *local_batch()).backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.fill_(float(rank))
+    opt.step()  # no new backward: gradients stay local (a reduction would average the ranks)
+    assert all(torch.all(p.grad == rank) for p in model.parameters())
+
+
+def case_add_param_group_after_wrapping_is_reduced():
+    model, opt = model_and_optimizer()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra]})
+    loss = loss_of(model, *local_batch()) + (extra * (rank + 1)).sum()
+    loss.backward()
+    opt.step()
+    mean = sum(r + 1 for r in range(size)) / size
+    assert torch.allclose(extra.grad, torch.full((3,), mean)), extra.grad
+
+
+def case_broadcast_parameters_from_root():
+    torch.manual_seed(rank)  # different weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    model[1].running_mean.fill_(rank)
+    root = size - 1
+    gradsync.broadcast_parameters(model.state_dict(), root_rank=root)
+    torch.manual_seed(root)
+    expected = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    for (name, a), (_, b) in zip(model.named_parameters(), expected.named_parameters()):
+        assert torch.equal(a, b), name
+    assert torch.all(model[1].running_mean == root)
+    gradsync.broadcast_parameters(model.named_parameters(), root_rank=0)
+    with raises(ValueError, "root_rank"):
+        gradsync.broadcast_parameters(model.state_dict(), root_rank=size)
+
+
+def case_broadcast_optimizer_state_lazy_adam_and_options():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.001 * (rank + 1), betas=(0.8, 0.9))
+    if rank == 0:  # only the root has stepped: its state exists, the others' is still empty
+        model(torch.ones(1, 3)).sum().backward()
+        adam.step()
+    gradsync.broadcast_optimizer_state(adam, root_rank=0)
+    group = adam.param_groups[0]
+    assert group["lr"] == 0.001 and isinstance(group["lr"], float), group["lr"]
+    assert group["betas"] == (0.8, 0.9) and isinstance(group["betas"], tuple)
+    state = adam.state[model.weight]
+    assert int(state["step"]) == 1 and state["exp_avg"].abs().sum() > 0
+    # Every rank now holds the root's moments exactly.
+    gathered = gradsync.allgather(state["exp_avg"].reshape(1, -1).clone())
+    assert all(torch.equal(gathered[0], gathered[r]) for r in range(size))
+
+
+def case_load_state_dict_resets_pending_state():
+    model, opt = model_and_optimizer()
+    saved = opt.state_dict()
+    loss_of(model, *local_batch()).backward()
+    opt.load_state_dict(saved)  # waits for the allreduces in flight, forgets them
+    opt.zero_grad()  # allowed now
+    loss_of(model, *local_batch()).backward()
+    opt.step()
+
+
+CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
+try:
+    for case in CASES:
+        case()
+        print(f"rank {rank}: ok {case.__name__}", flush=True)
+except BaseException:
+    traceback.print_exc()
+    print(f"rank {rank}: FAILED", flush=True)
+    MPI.COMM_WORLD.Abort(1)
+gradsync.shutdown()
+print(f"rank {rank}: {len(CASES)} optimizer cases passed", flush=True)
