@@ -116,7 +116,7 @@ def main() -> None:
             correct += (logits.argmax(1) == y).sum().item()
             progress.update()
 
-        # gradsync: average this rank's metrics over all ranks (each collective needs its own name).
+        # gradsync: average this rank's metrics over all ranks (the name identifies each collective).
         train_loss = gradsync.allreduce(torch.tensor(loss_sum / steps), name="train_loss").item()
         train_acc = gradsync.allreduce(torch.tensor(correct / len(shard)), name="train_acc").item()
         test_acc = evaluate(model, x_test, y_test)
