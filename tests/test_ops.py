@@ -48,3 +48,13 @@ def test_allreduce_is_right_whatever_the_fusion_threshold(threshold):
     passed = passed_cases(result.stdout)
     assert sorted(passed) == [0, 1], result.stdout
     assert min(passed.values()) > 1000, result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("capacity", ["0", "3"])
+def test_every_op_is_right_without_or_with_a_tiny_response_cache(capacity):
+    """0 negotiates everything in full; 3 entries force evictions while requests wait on their bits."""
+    result = run_mpi("ops_check.py", 2, timeout=180, env={"GRADSYNC_CACHE_CAPACITY": capacity})
+    passed = passed_cases(result.stdout)
+    assert sorted(passed) == [0, 1], result.stdout
+    assert min(passed.values()) > 2000, result.stdout

@@ -29,6 +29,16 @@ class Setting:
         return "GRADSYNC_" + self.field.upper()
 
 
+def parse_bool(text: str) -> bool:
+    """'1', 'true', 'yes', 'on' -> True; '0', 'false', 'no', 'off', '' -> False (any case)."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 1/0/true/false, got {text!r}")
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "fusion_threshold", int, 1 << 20, "bytes",
@@ -47,6 +57,27 @@ SETTINGS: tuple[Setting, ...] = (
         "warning.",
     ),
     Setting(
+        "cache_capacity", int, 1024, "entries",
+        "Response cache size. A collective seen before (same name, dtype, shape, op, ...) is negotiated "
+        "with one bit in a small bitwise allreduce instead of a gather and broadcast of its description. "
+        "0 disables the cache.",
+    ),
+    Setting(
+        "hierarchical_allreduce", parse_bool, False, "bool",
+        "Allreduce in three stages: reduce within each host over shared memory, allreduce across hosts "
+        "among the local rank 0 processes, broadcast within each host.",
+    ),
+    Setting(
+        "timeline", str, "", "path",
+        "Write a Chrome trace (chrome://tracing, Perfetto) of every collective's phases to this file. "
+        "Empty: no timeline.",
+    ),
+    Setting(
+        "autotune", parse_bool, False, "bool",
+        "Tune the fusion threshold and cycle time on the running job from measured throughput, and log "
+        "the chosen values.",
+    ),
+    Setting(
         "log_level", str, "WARNING", "name",
         "Level of the 'gradsync' logger: DEBUG, INFO, WARNING, ERROR.",
     ),
@@ -62,6 +93,10 @@ class Config:
     fusion_threshold: int = 1 << 20
     cycle_time: float = 1.0
     shutdown_timeout: float = 30.0
+    cache_capacity: int = 1024
+    hierarchical_allreduce: bool = False
+    timeline: str = ""
+    autotune: bool = False
     log_level: str = "WARNING"
 
     @classmethod
@@ -89,7 +124,7 @@ class Config:
                 values[setting.field] = setting.default
                 continue
             try:
-                value = setting.parse(raw) if isinstance(raw, str) else setting.parse(str(raw))
+                value = raw if isinstance(raw, bool) else setting.parse(str(raw))
             except ValueError as exc:
                 raise ValueError(f"{source}={raw!r} is not a valid {setting.unit} value: {exc}") from None
             if isinstance(value, (int, float)) and value < 0:

@@ -25,10 +25,11 @@ import numpy as np
 
 from . import dtypes, fusion
 from .backends.mpi import MpiBackend
+from .config import Config
 from .errors import CollectiveError, GradsyncError, ShutdownError
 from .handles import Handle
-from .negotiation import MessageTable
-from .protocol import CycleReply, Kind, ReduceOp, Request, Response
+from .negotiation import Negotiator
+from .protocol import Kind, ReduceOp, Request, Response
 
 log = logging.getLogger("gradsync")
 
@@ -110,15 +111,18 @@ class TensorQueue:
 class Coordinator:
     """The background thread of one process; see the module docstring."""
 
-    def __init__(self, comm, fusion_threshold: int, cycle_time_ms: float) -> None:
+    def __init__(self, comm, config: Config, backend: MpiBackend | None = None) -> None:
+        """Start the thread. ``comm`` is used for negotiation; ``backend`` moves the data
+        (default: an MpiBackend on ``comm``). Both belong to this thread alone from now on."""
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.queue = TensorQueue()
-        self._backend = MpiBackend(comm)
+        self._backend = backend if backend is not None else MpiBackend(comm)
         self._buffers = fusion.FusionBuffers()
-        self._cycle_time = cycle_time_ms / 1000.0
-        self._table = MessageTable(self.size, fusion_threshold) if self.rank == 0 else None
+        self._cycle_time = config.cycle_time / 1000.0
+        _check_same_everywhere(comm, config)
+        self.negotiator = Negotiator(comm, config)
         self._pending: dict[str, Entry] = {}
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
@@ -143,7 +147,7 @@ class Coordinator:
                 entries, shutdown = self.queue.wait(timeout)
                 for entry in entries:
                     self._pending[entry.request.name] = entry
-                reply = self._negotiate(shutdown, [e.request for e in entries])
+                reply = self.negotiator.cycle([e.request for e in entries], shutdown)
                 for response in reply.responses:
                     self._execute(response)
                 if reply.shutdown_ranks:
@@ -154,11 +158,6 @@ class Coordinator:
             log.exception("gradsync: rank %d: coordinator failed", self.rank)
             self._stop(GradsyncError, f"the background coordinator failed: "
                        f"{type(exc).__name__}: {exc}", cause=exc)
-
-    def _negotiate(self, shutdown: bool, requests: list[Request]) -> CycleReply:
-        gathered = self.comm.gather((shutdown, requests), root=0)
-        reply = self._table.cycle(gathered) if self.rank == 0 else None
-        return self.comm.bcast(reply, root=0)
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:
@@ -191,6 +190,7 @@ class Coordinator:
                 entry.handle._set_error(exc)
         else:
             for entry in entries:
+                self.negotiator.completed(entry.request)
                 entry.handle._set_result(entry.result)
         finally:
             self.queue.finished(list(response.names))
@@ -241,3 +241,14 @@ class Coordinator:
         source = np.ascontiguousarray(entry.source)
         self._backend.allgather(source, target, [d * row_bytes for d in first_dims])
         entry.result = result
+
+
+def _check_same_everywhere(comm, config: Config) -> None:
+    """Settings that every rank must share (each rank plans cached fusion by itself)."""
+    mine = (config.fusion_threshold, config.cache_capacity)
+    everyone = comm.allgather(mine)
+    if any(values != mine for values in everyone):
+        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}"
+                           for r, (t, c) in enumerate(everyone))
+        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD and GRADSYNC_CACHE_CAPACITY must be "
+                            f"the same on every rank; got {listed}")

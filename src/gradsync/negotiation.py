@@ -1,18 +1,33 @@
-"""Negotiation on the coordinator rank (rank 0): which requests are ready on every rank, in what order.
+"""Negotiation: which requests are ready on every rank, and in what order every rank runs them.
 
-Every cycle each rank sends rank 0 the requests it has not sent before. Rank 0 keeps a message table
-(tensor name -> each rank's request). When the last rank's request for a name arrives, rank 0 checks
-that all ranks agree on it and emits a response; ready allreduces are fused (:mod:`gradsync.fusion`).
-Rank 0 broadcasts the ordered responses, so every rank executes the same collectives in the same order,
-whatever order its own tensors were produced in.
+*Full negotiation* (first sight of a collective): each rank sends rank 0 the requests it has not sent
+before (``gather``). Rank 0 keeps a :class:`MessageTable` (tensor name -> each rank's request). When the
+last rank's request for a name arrives, rank 0 checks that all ranks agree on it and emits a response;
+ready allreduces are fused (:mod:`gradsync.fusion`). Rank 0 broadcasts the ordered responses.
+
+*Cached negotiation* (steady state, :mod:`gradsync.response_cache`): a collective seen before is one bit;
+one bitwise-AND allreduce of every rank's ready bits (plus flag bits) yields the cached collectives
+ready everywhere. The full gather/broadcast runs only in cycles where some rank has an uncached request
+or asks to shut down.
+
+Either way every rank executes the same collectives in the same order, whatever order its own tensors
+were produced in.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
+import numpy as np
+from mpi4py import MPI
+
 from . import fusion
+from .config import Config
 from .protocol import CycleReply, Kind, Request, Response
+from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits
+
+_UNCACHED_FLAG, _SHUTDOWN_FLAG = 1, 2
 
 # Fields on which every rank must agree, with the word used in error messages.
 _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("root", "root rank"),
@@ -92,3 +107,96 @@ def _mismatch(kind: str, name: str, word: str, values: list) -> str:
 
 def _show(value) -> str:
     return value.name if hasattr(value, "name") and not isinstance(value, str) else repr(value)
+
+
+class Negotiator:
+    """This rank's side of negotiation; used by the coordinator thread only (it owns ``comm``)."""
+
+    def __init__(self, comm, config: Config) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.fusion_threshold = config.fusion_threshold
+        self.table = MessageTable(comm.Get_size(), config.fusion_threshold) if self.rank == 0 else None
+        self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
+        self._words = math.ceil(config.cache_capacity / 64)
+        self._all_ones = (1 << (64 * self._words)) - 1
+        self._vector = np.empty(2 * self._words + 1, np.uint64)
+        self._ready_bits = 0  # cached requests ready on this rank, waiting for the others
+        self._waiting: dict[int, Request] = {}  # bit -> this rank's request behind it
+        self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
+        self.full_cycles = self.cached_cycles = 0
+
+    def cycle(self, requests: list[Request], shutdown: bool) -> CycleReply:
+        """Negotiate one cycle with every rank; returns the responses all ranks will execute, in order."""
+        if self.cache is None:
+            self.full_cycles += 1
+            return self._full(requests, shutdown)
+        uncached, self._resend = self._resend, []
+        invalid = 0
+        for request in requests:
+            state, bit = self.cache.lookup(request)
+            if state is Lookup.HIT:
+                self._ready_bits |= 1 << bit
+                self._waiting[bit] = request
+                continue
+            if state is Lookup.INVALID:
+                invalid |= 1 << bit
+            uncached.append(request)
+        ready, invalid, need_full, shutdown_any = self._exchange(invalid, bool(uncached), shutdown)
+        for bit in iter_bits(invalid):
+            self.forget(bit)
+            self.cache.evict(bit)
+        responses = self._cached_responses(ready)
+        if not (need_full or shutdown_any):
+            self.cached_cycles += 1
+            return CycleReply(tuple(responses))
+        self.full_cycles += 1
+        reply = self._full(uncached, shutdown)
+        return CycleReply(tuple(responses) + reply.responses, reply.shutdown_ranks)
+
+    def completed(self, request: Request) -> None:
+        """``request``'s collective finished on every rank: cache it (all ranks do this in step)."""
+        if self.cache is not None:
+            evicted = self.cache.put(request)
+            if evicted is not None:
+                self.forget(evicted)
+
+    def forget(self, bit: int) -> None:
+        """``bit`` no longer names what this rank's waiting request meant: negotiate it in full."""
+        request = self._waiting.pop(bit, None)
+        if request is not None:
+            self._ready_bits &= ~(1 << bit)
+            self._resend.append(request)
+
+    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool):
+        """One AND allreduce: [ready bits | inverted invalid bits | inverted flags]."""
+        words = self._words
+        vector = self._vector
+        vector[:words] = np.frombuffer(bits_to_words(self._ready_bits, words), np.uint64)
+        vector[words:2 * words] = np.frombuffer(bits_to_words(self._all_ones ^ invalid, words), np.uint64)
+        flags = (_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
+        vector[-1] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
+        self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
+        ready = int.from_bytes(vector[:words].tobytes(), "little")
+        invalid_any = self._all_ones ^ int.from_bytes(vector[words:2 * words].tobytes(), "little")
+        common_flags = ~int(vector[-1])
+        return (ready, invalid_any, bool(common_flags & _UNCACHED_FLAG),
+                bool(common_flags & _SHUTDOWN_FLAG))
+
+    def _cached_responses(self, ready: int) -> list[Response]:
+        responses: list[Response] = []
+        allreduces: list[Request] = []
+        for bit in iter_bits(ready):
+            request = self._waiting.pop(bit)
+            self._ready_bits &= ~(1 << bit)
+            if request.kind == Kind.ALLREDUCE:
+                allreduces.append(request)
+            else:
+                responses.append(Response(request.kind, (request.name,)))
+        responses.extend(fusion.plan_allreduce(allreduces, self.fusion_threshold))
+        return responses
+
+    def _full(self, requests: list[Request], shutdown: bool) -> CycleReply:
+        gathered = self.comm.gather((shutdown, requests), root=0)
+        reply = self.table.cycle(gathered) if self.rank == 0 else None
+        return self.comm.bcast(reply, root=0)

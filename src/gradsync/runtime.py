@@ -66,7 +66,7 @@ class Runtime:
         cross.Free()
         self.comm = world.Dup()  # the coordinator's own communicator: no other thread uses it
         self._unnamed: dict[str, int] = {}
-        self.coordinator = Coordinator(self.comm, config.fusion_threshold, config.cycle_time)
+        self.coordinator = Coordinator(self.comm, config)
 
     def auto_name(self, kind: str) -> str:
         """A name for an unnamed collective: the kind and how many unnamed ones of it came before."""

@@ -1,0 +1,95 @@
+"""The response cache: steady-state negotiation with one bit per known collective.
+
+Every rank keeps the same cache, because every rank updates it at the same points of the same ordered
+response list: a collective that completed through negotiation is *put* (or *touched*, if known), and
+the least recently used entry is evicted when the cache is full. A collective's bit is its slot.
+
+When a request arrives whose name and signature (every field of the request but the rank) match a
+cached entry, the rank only sets that bit in its local *ready* vector; one bitwise-AND allreduce of the
+ready vectors gives the set of cached collectives ready everywhere, in the same bit order on every rank.
+A name that is cached with another signature is *invalid*: the rank flags the bit (an OR across ranks,
+sent inverted inside the same AND allreduce), every rank evicts it, and the request is negotiated in full.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+
+from .protocol import Kind, Request
+
+CACHEABLE = frozenset({Kind.ALLREDUCE, Kind.BROADCAST})
+
+
+class Lookup(enum.Enum):
+    HIT = 0
+    MISS = 1
+    INVALID = 2
+
+
+def signature(request: Request) -> Request:
+    """The request with its rank field cleared: what must be equal for a cache hit."""
+    return request._replace(rank=0)
+
+
+class ResponseCache:
+    """Name -> (bit, signature) with deterministic LRU eviction; see the module docstring."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._slots: collections.OrderedDict[str, tuple[int, Request]] = collections.OrderedDict()
+        self._names: dict[int, str] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest free bit
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def lookup(self, request: Request) -> tuple[Lookup, int]:
+        """Whether ``request`` is cached (HIT), unknown (MISS) or cached differently (INVALID),
+        and its bit (-1 on MISS). Never changes the cache."""
+        if request.kind not in CACHEABLE or request.name not in self._slots:
+            return Lookup.MISS, -1
+        bit, cached = self._slots[request.name]
+        return (Lookup.HIT if cached == signature(request) else Lookup.INVALID), bit
+
+    def put(self, request: Request) -> int | None:
+        """Record that ``request`` completed; returns the bit evicted to make room, if any."""
+        if request.kind not in CACHEABLE or self.capacity == 0:
+            return None
+        if request.name in self._slots:
+            self._slots.move_to_end(request.name)
+            return None
+        evicted = None
+        if not self._free:
+            _, (evicted, _) = self._slots.popitem(last=False)
+            del self._names[evicted]
+            self._free.append(evicted)
+        bit = self._free.pop()
+        self._slots[request.name] = (bit, signature(request))
+        self._names[bit] = request.name
+        return evicted
+
+    def evict(self, bit: int) -> None:
+        """Forget the entry at ``bit`` (all ranks do this for every invalid bit)."""
+        name = self._names.pop(bit, None)
+        if name is not None:
+            del self._slots[name]
+            self._free.append(bit)
+            self._free.sort(reverse=True)
+
+    def request(self, bit: int) -> Request:
+        """The cached signature at ``bit``."""
+        return self._slots[self._names[bit]][1]
+
+
+def bits_to_words(bits: int, words: int) -> bytes:
+    """A Python int bit set as ``words`` little-endian 64-bit words."""
+    return bits.to_bytes(words * 8, "little")
+
+
+def iter_bits(bits: int):
+    """The set bits of ``bits``, lowest first."""
+    while bits:
+        low = bits & -bits
+        yield low.bit_length() - 1
+        bits ^= low
