@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ class Entry:
     target: np.ndarray | None
     result: Any
     allocate: Callable[[tuple[int, ...]], tuple[Any, np.ndarray]] | None = None
+    submitted_ns: int = dataclasses.field(default_factory=time.perf_counter_ns)
 
 
 class TensorQueue:
@@ -124,6 +126,11 @@ class Coordinator:
         _check_same_everywhere(comm, config)
         self.negotiator = Negotiator(comm, config)
         self._pending: dict[str, Entry] = {}
+        self.timeline = None
+        if config.timeline:  # imported only when used, so `python -m gradsync.timeline` runs cleanly
+            from .timeline import open_timeline
+
+            self.timeline = open_timeline(config.timeline, self.rank)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
 
@@ -147,9 +154,14 @@ class Coordinator:
                 entries, shutdown = self.queue.wait(timeout)
                 for entry in entries:
                     self._pending[entry.request.name] = entry
+                started_ns = time.perf_counter_ns()
                 reply = self.negotiator.cycle([e.request for e in entries], shutdown)
+                replied_ns = time.perf_counter_ns()
+                if self.timeline is not None and (entries or reply.responses):
+                    self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
+                                                               "responses": len(reply.responses)})
                 for response in reply.responses:
-                    self._execute(response)
+                    self._execute(response, replied_ns)
                 if reply.shutdown_ranks:
                     self._stop(ShutdownError, f"rank(s) {list(reply.shutdown_ranks)} called "
                                "gradsync.shutdown() (or exited) first")
@@ -158,6 +170,9 @@ class Coordinator:
             log.exception("gradsync: rank %d: coordinator failed", self.rank)
             self._stop(GradsyncError, f"the background coordinator failed: "
                        f"{type(exc).__name__}: {exc}", cause=exc)
+        finally:
+            if self.timeline is not None:
+                self.timeline.close()
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:
@@ -173,17 +188,19 @@ class Coordinator:
             entry.handle._set_error(error)
         self._pending.clear()
 
-    def _execute(self, response: Response) -> None:
+    def _execute(self, response: Response, replied_ns: int) -> None:
         entries = [self._pending.pop(name) for name in response.names]
+        started_ns = time.perf_counter_ns()
+        phases: list[tuple[str, int]] = []
         try:
             if response.error is not None:
                 raise CollectiveError(f"gradsync: rank {self.rank}: {response.error}")
             if response.kind == Kind.ALLREDUCE:
-                self._allreduce(entries)
+                phases = self._allreduce(entries)
             elif response.kind == Kind.BROADCAST:
-                self._broadcast(entries[0])
+                phases = self._broadcast(entries[0])
             elif response.kind == Kind.ALLGATHER:
-                self._allgather(entries[0], response.first_dims)
+                phases = self._allgather(entries[0], response.first_dims)
             # BARRIER: negotiation itself proved that every rank arrived.
         except CollectiveError as exc:
             for entry in entries:
@@ -194,8 +211,23 @@ class Coordinator:
                 entry.handle._set_result(entry.result)
         finally:
             self.queue.finished(list(response.names))
+            if self.timeline is not None:
+                self._record(entries, replied_ns, started_ns, phases)
 
-    def _allreduce(self, entries: list[Entry]) -> None:
+    def _record(self, entries: list[Entry], replied_ns: int, started_ns: int,
+                phases: list[tuple[str, int]]) -> None:
+        """Timeline spans of one response: phases are (name, end time), each starting where the
+        previous one ended."""
+        for entry in entries:
+            name = entry.request.name
+            self.timeline.span(name, "NEGOTIATE", entry.submitted_ns, replied_ns)
+            self.timeline.span(name, "WAIT_FOR_DATA", replied_ns, started_ns)
+            begin = started_ns
+            for phase, end in phases:
+                self.timeline.span(name, phase, begin, end, {"tensors": len(entries)})
+                begin = end
+
+    def _allreduce(self, entries: list[Entry]) -> list[tuple[str, int]]:
         request = entries[0].request
         average = request.op == ReduceOp.Average
         accumulator = dtypes.accumulator(request.dtype, average)
@@ -208,39 +240,50 @@ class Coordinator:
                 and only.target.flags.c_contiguous and only.target.flags.writeable):
             # Alone and contiguous: reduce in the output's own memory, no fusion copy.
             target = only.target
+            phases = []
             if only.source is not target or request.prescale != 1.0:
                 fusion.pack(only.source, target, request.prescale)
+                phases.append(("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns()))
             self._backend.allreduce(target.reshape(-1), request.op, logical)
+            phases.append(("ALLREDUCE", time.perf_counter_ns()))
             fusion.unpack(target, target, scale, divisor)
-            return
+            if scale != 1.0 or divisor != 1:
+                phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
+            return phases
         counts = [math.prod(e.request.shape) for e in entries]
         buffer = self._buffers.get(accumulator, sum(counts))
         offsets = np.cumsum([0] + counts).tolist()
         for entry, start, stop in zip(entries, offsets, offsets[1:]):
             fusion.pack(entry.source, buffer[start:stop], request.prescale)
+        packed_ns = time.perf_counter_ns()
         self._backend.allreduce(buffer, request.op, logical)
+        reduced_ns = time.perf_counter_ns()
         for entry, start, stop in zip(entries, offsets, offsets[1:]):
             fusion.unpack(buffer[start:stop], entry.target, scale, divisor)
+        return [("MEMCPY_IN_FUSION_BUFFER", packed_ns), ("ALLREDUCE", reduced_ns),
+                ("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns())]
 
-    def _broadcast(self, entry: Entry) -> None:
+    def _broadcast(self, entry: Entry) -> list[tuple[str, int]]:
         root = entry.request.root
         target = entry.target
         if self.rank == root and entry.source is not target:
             np.copyto(target, entry.source)
         if target.flags.c_contiguous:
             self._backend.broadcast(target, root)
-            return
+            return [("BROADCAST", time.perf_counter_ns())]
         staging = np.ascontiguousarray(target)
         self._backend.broadcast(staging, root)
         np.copyto(target, staging)
+        return [("BROADCAST", time.perf_counter_ns())]
 
-    def _allgather(self, entry: Entry, first_dims: tuple[int, ...]) -> None:
+    def _allgather(self, entry: Entry, first_dims: tuple[int, ...]) -> list[tuple[str, int]]:
         shape = entry.request.shape
         row_bytes = math.prod(shape[1:]) * entry.source.dtype.itemsize
         result, target = entry.allocate((sum(first_dims),) + tuple(shape[1:]))
         source = np.ascontiguousarray(entry.source)
         self._backend.allgather(source, target, [d * row_bytes for d in first_dims])
         entry.result = result
+        return [("ALLGATHER", time.perf_counter_ns())]
 
 
 def _check_same_everywhere(comm, config: Config) -> None:

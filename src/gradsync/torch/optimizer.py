@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -28,6 +29,8 @@ class _DistributedOptimizer:
         self._gs_handles: dict[torch.Tensor, Handle] = {}
         self._gs_hooks = []
         self._gs_skip = False
+        self._gs_timeline = runtime.get().coordinator.timeline
+        self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
         for group_index, group in enumerate(self.param_groups):
             self._gs_track(group, group_index)
@@ -52,6 +55,9 @@ class _DistributedOptimizer:
                 f"allreduce had started: more backward passes ran before step() than "
                 f"backward_passes_per_step={self._gs_passes}. Raise backward_passes_per_step to the "
                 "number of backward passes you accumulate, or call step() in between.")
+        if self._gs_timeline is not None:
+            now = time.perf_counter_ns()
+            self._gs_backward_ns = (self._gs_backward_ns[0] or now, now)
         self._gs_counts[param] += 1
         if self._gs_counts[param] == self._gs_passes:
             self._gs_submit(param)
@@ -80,6 +86,9 @@ class _DistributedOptimizer:
                 self._gs_submit(param)
         handles, self._gs_handles = self._gs_handles, {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+        if self._gs_backward_ns[0]:
+            self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
+            self._gs_backward_ns = (0, 0)
         for handle in handles.values():
             ops.synchronize(handle)
 
