@@ -78,6 +78,10 @@ SETTINGS: tuple[Setting, ...] = (
         "the chosen values.",
     ),
     Setting(
+        "autotune_window", float, 2.0, "seconds",
+        "How long autotune measures each candidate setting.",
+    ),
+    Setting(
         "log_level", str, "WARNING", "name",
         "Level of the 'gradsync' logger: DEBUG, INFO, WARNING, ERROR.",
     ),
@@ -97,6 +101,7 @@ class Config:
     hierarchical_allreduce: bool = False
     timeline: str = ""
     autotune: bool = False
+    autotune_window: float = 2.0
     log_level: str = "WARNING"
 
     @classmethod

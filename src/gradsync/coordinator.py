@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, fusion
+from .autotune import Autotuner
 from .backends.mpi import MpiBackend
 from .config import Config
 from .errors import CollectiveError, GradsyncError, ShutdownError
@@ -122,10 +123,13 @@ class Coordinator:
         self.queue = TensorQueue()
         self._backend = backend if backend is not None else MpiBackend(comm)
         self._buffers = fusion.FusionBuffers()
-        self._cycle_time = config.cycle_time / 1000.0
         _check_same_everywhere(comm, config)
         self.negotiator = Negotiator(comm, config)
         self._pending: dict[str, Entry] = {}
+        self._autotuner = None
+        if config.autotune and self.rank == 0:
+            self._autotuner = Autotuner(config.fusion_threshold, config.cycle_time,
+                                        config.autotune_window)
         self.timeline = None
         if config.timeline:  # imported only when used, so `python -m gradsync.timeline` runs cleanly
             from .timeline import open_timeline
@@ -150,7 +154,7 @@ class Coordinator:
     def _run(self) -> None:
         try:
             while True:
-                timeout = self._cycle_time if self._pending else None
+                timeout = self.negotiator.cycle_time / 1000.0 if self._pending else None
                 entries, shutdown = self.queue.wait(timeout)
                 for entry in entries:
                     self._pending[entry.request.name] = entry
@@ -162,6 +166,10 @@ class Coordinator:
                                                                "responses": len(reply.responses)})
                 for response in reply.responses:
                     self._execute(response, replied_ns)
+                if self._autotuner is not None:
+                    proposal = self._autotuner.poll()
+                    if proposal is not None:
+                        self.negotiator.propose(proposal)
                 if reply.shutdown_ranks:
                     self._stop(ShutdownError, f"rank(s) {list(reply.shutdown_ranks)} called "
                                "gradsync.shutdown() (or exited) first")
@@ -209,6 +217,8 @@ class Coordinator:
             for entry in entries:
                 self.negotiator.completed(entry.request)
                 entry.handle._set_result(entry.result)
+            if self._autotuner is not None and response.kind == Kind.ALLREDUCE:
+                self._autotuner.record(sum(entry.source.nbytes for entry in entries))
         finally:
             self.queue.finished(list(response.names))
             if self.timeline is not None:

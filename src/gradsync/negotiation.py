@@ -27,7 +27,7 @@ from .config import Config
 from .protocol import CycleReply, Kind, Request, Response
 from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits
 
-_UNCACHED_FLAG, _SHUTDOWN_FLAG = 1, 2
+_UNCACHED_FLAG, _SHUTDOWN_FLAG, _SETTINGS_FLAG = 1, 2, 4
 
 # Fields on which every rank must agree, with the word used in error messages.
 _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("root", "root rank"),
@@ -116,6 +116,8 @@ class Negotiator:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.fusion_threshold = config.fusion_threshold
+        self.cycle_time = config.cycle_time
+        self._proposal: tuple[int, float] | None = None  # rank 0: settings to send next cycle
         self.table = MessageTable(comm.Get_size(), config.fusion_threshold) if self.rank == 0 else None
         self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
         self._words = math.ceil(config.cache_capacity / 64)
@@ -142,7 +144,8 @@ class Negotiator:
             if state is Lookup.INVALID:
                 invalid |= 1 << bit
             uncached.append(request)
-        ready, invalid, need_full, shutdown_any = self._exchange(invalid, bool(uncached), shutdown)
+        ready, invalid, need_full, shutdown_any = self._exchange(
+            invalid, bool(uncached) or self._proposal is not None, shutdown)
         for bit in iter_bits(invalid):
             self.forget(bit)
             self.cache.evict(bit)
@@ -153,6 +156,10 @@ class Negotiator:
         self.full_cycles += 1
         reply = self._full(uncached, shutdown)
         return CycleReply(tuple(responses) + reply.responses, reply.shutdown_ranks)
+
+    def propose(self, settings: tuple[int, float]) -> None:
+        """Rank 0: make every rank use (fusion threshold, cycle time) after the next cycle."""
+        self._proposal = settings
 
     def completed(self, request: Request) -> None:
         """``request``'s collective finished on every rank: cache it (all ranks do this in step)."""
@@ -198,5 +205,13 @@ class Negotiator:
 
     def _full(self, requests: list[Request], shutdown: bool) -> CycleReply:
         gathered = self.comm.gather((shutdown, requests), root=0)
-        reply = self.table.cycle(gathered) if self.rank == 0 else None
-        return self.comm.bcast(reply, root=0)
+        reply = None
+        if self.rank == 0:
+            reply = self.table.cycle(gathered)._replace(settings=self._proposal)
+            self._proposal = None
+        reply = self.comm.bcast(reply, root=0)
+        if reply.settings is not None:  # applies from the next cycle on, on every rank alike
+            self.fusion_threshold, self.cycle_time = reply.settings
+            if self.table is not None:
+                self.table.fusion_threshold = self.fusion_threshold
+        return reply

@@ -73,7 +73,9 @@ class Response(NamedTuple):
 
 
 class CycleReply(NamedTuple):
-    """Rank 0's answer to one negotiation cycle: the responses, and whether to shut down."""
+    """Rank 0's answer to one negotiation cycle: the responses, which ranks asked to shut down, and
+    (from autotune) the (fusion threshold, cycle time) every rank uses from the next cycle on."""
 
     responses: tuple[Response, ...]
     shutdown_ranks: tuple[int, ...] = ()
+    settings: tuple[int, float] | None = None
