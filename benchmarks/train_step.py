@@ -2,16 +2,20 @@
 
 Run one configuration per launch (the driver below interleaves them):
 
-    mpiexec -n 2 python benchmarks/train_step.py --mode gradsync [--fusion-threshold BYTES]
+    mpiexec -n 2 python benchmarks/train_step.py --mode gradsync [--fusion-threshold BYTES] [--model cnn]
     mpiexec -n 2 python benchmarks/train_step.py --mode ddp
     python benchmarks/train_step.py --mode single
 
-or all of them, interleaved, with a table at the end:
+or all of them, interleaved, with a table at the end (and its numbers in a CSV file):
 
-    python benchmarks/train_step.py --compare --ranks 2 --repeats 3
+    python benchmarks/train_step.py --compare --ranks 2 --repeats 3 [--model cnn] [--csv PATH]
 
-Model: 24 x (Linear(768, 768) + ReLU) + Linear(768, 10) (50 tensors, 14.2 M parameters), batch 32 per
-rank, SGD with momentum, torch.set_num_threads(1). Prints the median step time in milliseconds.
+Models (--model), batch 32 per rank, SGD with momentum, torch.set_num_threads(1):
+  mlp (default): 24 x (Linear(768, 768) + ReLU) + Linear(768, 10) (50 tensors, 14.2 M parameters);
+  cnn: 3 x (Conv2d 3x3 + ReLU + MaxPool2d(2)) with 32/64/128 channels on 3x32x32 inputs, then
+       Linear(2048, 256) + ReLU + Linear(256, 10) (10 tensors, 0.62 M parameters): far less to
+       reduce per unit of compute than the MLP.
+Prints the median step time in milliseconds.
 """
 
 from __future__ import annotations
@@ -26,22 +30,30 @@ import time
 MODEL_LAYERS, WIDTH, BATCH = 24, 768, 32
 
 
-def build_model():
+def build_model(kind: str):
+    """The model and the shape of one input sample."""
     import torch
 
+    nn = torch.nn
+    if kind == "cnn":
+        layers = []
+        for channels_in, channels_out in ((3, 32), (32, 64), (64, 128)):
+            layers += [nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        layers += [nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10)]
+        return nn.Sequential(*layers), (3, 32, 32)
     layers = []
     for _ in range(MODEL_LAYERS):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(WIDTH, 10))
-    return torch.nn.Sequential(*layers)
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    layers.append(nn.Linear(WIDTH, 10))
+    return nn.Sequential(*layers), (WIDTH,)
 
 
-def measure(mode: str, steps: int, warmup: int, fusion_threshold: int | None) -> None:
+def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None) -> None:
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model()
+    model, sample_shape = build_model(model_kind)
     rank = 0
     if mode == "gradsync":
         import gradsync
@@ -66,7 +78,7 @@ def measure(mode: str, steps: int, warmup: int, fusion_threshold: int | None) ->
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
+    x, y = torch.randn(BATCH, *sample_shape), torch.randint(0, 10, (BATCH,))
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     for step in range(warmup + steps):
@@ -84,7 +96,8 @@ def measure(mode: str, steps: int, warmup: int, fusion_threshold: int | None) ->
         print(f"median_step_ms={statistics.median(times) * 1e3:.2f}", flush=True)
 
 
-def compare(ranks: int, repeats: int, steps: int, thresholds: list[int]) -> None:
+def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: str,
+            csv_path: str | None) -> None:
     """Launch every configuration `repeats` times, interleaved, and print a table of medians."""
     here = os.path.abspath(__file__)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -95,7 +108,7 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int]) -> None
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for _ in range(repeats):
         for name, args, parallel in configs:
-            cmd = [sys.executable, here, *args, "--steps", str(steps)]
+            cmd = [sys.executable, here, *args, "--model", model, "--steps", str(steps)]
             if parallel:
                 cmd = [mpiexec, "-n", str(ranks), *cmd]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -105,16 +118,26 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int]) -> None
             results[name].append(float(line[0].split("=")[1]))
     single = statistics.median(results["single"])
     ddp = statistics.median(results["ddp (gloo)"])
-    print(f"\n{ranks} ranks, batch {BATCH} per rank, median of {repeats} launches x {steps} steps")
+    print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, median of {repeats} launches x {steps} steps")
     print(f"{'configuration':28s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s}")
+    rows = []
     for name, values in results.items():
         median = statistics.median(values)
         print(f"{name:28s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f}")
+        rows.append({"model": model, "ranks": ranks, "configuration": name, "step_ms": round(median, 3),
+                     "vs_ddp": round(median / ddp, 4), "efficiency": round(single / median, 4),
+                     "launches": " ".join(f"{v:.2f}" for v in values)})
+    if csv_path:
+        import benchenv
+
+        benchenv.write_csv(csv_path, rows, benchenv.environment(ranks, env))
+        print(f"# wrote {csv_path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["single", "gradsync", "ddp"], default="gradsync")
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--fusion-threshold", type=int, default=None, help="bytes")
@@ -123,11 +146,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--thresholds", type=str, default="262144,1048576,4194304,16777216,67108864",
                         help="fusion thresholds (bytes, comma separated) for --compare")
+    parser.add_argument("--csv", type=str, default=None, help="--compare: also write the table here")
     args = parser.parse_args()
     if args.compare:
-        compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")])
+        compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")],
+                args.model, args.csv)
     else:
-        measure(args.mode, args.steps, args.warmup, args.fusion_threshold)
+        measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold)
 
 
 if __name__ == "__main__":

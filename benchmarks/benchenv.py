@@ -1,0 +1,124 @@
+"""Shared by the benchmark scripts: the environment to state next to every figure, and CSV files
+that carry it.
+
+Step times and bandwidths move with the MPI library, the number of ranks per core and glibc's malloc
+settings (PERF-NOTES.md fact 9: the single-process step is 75 ms by default, 51 ms with
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=-1``), so every CSV starts with ``# key: value`` lines
+that record them, and docs/benchmarks.md prints them beside each table.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+import time
+
+# Variables that change the figures; each is recorded, "unset" when absent.
+RECORDED_VARIABLES = ("OMP_NUM_THREADS", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+                      "OMPI_MCA_mpi_yield_when_idle")
+
+
+def mpi_library() -> str:
+    """The first line of MPI_Get_library_version, without initialising MPI if it is not yet."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # this process only asks for the version string
+    from mpi4py import MPI
+
+    return " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git_revision() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" (uncommitted changes)" if dirty else "")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(ranks: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What to state next to a figure: MPI, ranks, cores, malloc and thread settings, versions.
+
+    ``environ`` is the environment the measured processes ran with (default: this process's).
+    """
+    environ = os.environ if environ is None else environ
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "mpi": mpi_library(),
+        "ranks": str(ranks),
+        "cores": str(cores),
+        "cpu": _cpu_model(),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "mpi4py": _version("mpi4py"),
+        "torch": _version("torch"),
+        "gradsync": f"{_version('gradsync')}, git {_git_revision()}",
+    }
+    for variable in RECORDED_VARIABLES:
+        info[variable] = environ.get(variable, "unset")
+    for variable in sorted(v for v in environ if v.startswith("GRADSYNC_")):
+        info[variable] = environ[variable]
+    return info
+
+
+def malloc_summary(env: dict[str, str]) -> str:
+    """'glibc default' or the malloc variables that were set, for a one-line statement."""
+    tuned = [f"{v}={env[v]}" for v in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
+             if env.get(v, "unset") != "unset"]
+    return " ".join(tuned) if tuned else "glibc default"
+
+
+def write_csv(path: str, rows: list[dict], env: dict[str, str]) -> None:
+    """Write ``rows`` (dicts with the same keys) to ``path``, after ``# key: value`` environment lines."""
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        for key, value in env.items():
+            f.write(f"# {key}: {value}\n")
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(path: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The environment and the rows of a file written by :func:`write_csv` (values as strings)."""
+    env: dict[str, str] = {}
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    body = []
+    for line in lines:
+        if line.startswith("# "):
+            key, _, value = line[2:].partition(": ")
+            env[key] = value
+        elif line:
+            body.append(line)
+    return env, list(csv.DictReader(body))
