@@ -5,7 +5,7 @@ disagreement between ranks reports. Single process, no MPI: the cycles are fed b
 from __future__ import annotations
 
 from gradsync.negotiation import MessageTable
-from gradsync.protocol import Kind, ReduceOp, Request, Response
+from gradsync.protocol import Kind, RankMessage, ReduceOp, Request, Response
 
 
 def allreduce(name, rank, shape=(4,), dtype="float32", op=ReduceOp.Sum, prescale=1.0):
@@ -14,7 +14,7 @@ def allreduce(name, rank, shape=(4,), dtype="float32", op=ReduceOp.Sum, prescale
 
 def cycle(table, *per_rank, shutdown=()):
     """One cycle in which rank r sends the requests per_rank[r]."""
-    return table.cycle([(rank in shutdown, list(requests))
+    return table.cycle([RankMessage(rank in shutdown, list(requests))
                         for rank, requests in enumerate(per_rank)])
 
 

@@ -13,7 +13,7 @@ adapter is imported when one of its names is first used.
 
 from __future__ import annotations
 
-from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError
+from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
 from .handles import Handle
 from .ops import (
     allgather,
@@ -65,6 +65,6 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "allgather", "allgather_async", "allgather_object", "barrier", "synchronize", "poll",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
-    "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError",
+    "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
     *_TORCH_NAMES,
 ]

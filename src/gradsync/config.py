@@ -57,6 +57,17 @@ SETTINGS: tuple[Setting, ...] = (
         "warning.",
     ),
     Setting(
+        "stall_check_time_seconds", float, 60.0, "seconds",
+        "After this long, rank 0 warns about every collective that some ranks submitted and others did "
+        "not, listing both groups of ranks. 0 disables the stall inspector (and the idle heartbeat it "
+        "needs: an idle coordinator then sleeps until work arrives).",
+    ),
+    Setting(
+        "stall_shutdown_time_seconds", float, 0.0, "seconds",
+        "After this long stalled, gradsync shuts down on every rank and every pending collective fails "
+        "with the stall report (StallError). 0: never; only the warning.",
+    ),
+    Setting(
         "cache_capacity", int, 1024, "entries",
         "Response cache size. A collective seen before (same name, dtype, shape, op, ...) is negotiated "
         "with one bit in a small bitwise allreduce instead of a gather and broadcast of its description. "
@@ -97,6 +108,8 @@ class Config:
     fusion_threshold: int = 1 << 20
     cycle_time: float = 1.0
     shutdown_timeout: float = 30.0
+    stall_check_time_seconds: float = 60.0
+    stall_shutdown_time_seconds: float = 0.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
     timeline: str = ""

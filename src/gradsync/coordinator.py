@@ -28,10 +28,11 @@ from . import dtypes, fusion
 from .autotune import Autotuner
 from .backends.mpi import MpiBackend
 from .config import Config
-from .errors import CollectiveError, GradsyncError, ShutdownError
+from .errors import CollectiveError, GradsyncError, ShutdownError, StallError
 from .handles import Handle
 from .negotiation import Negotiator
 from .protocol import Kind, ReduceOp, Request, Response
+from .stall_inspector import StallClock, heartbeat_interval
 
 log = logging.getLogger("gradsync")
 
@@ -126,6 +127,9 @@ class Coordinator:
         _check_same_everywhere(comm, config)
         self.negotiator = Negotiator(comm, config)
         self._pending: dict[str, Entry] = {}
+        self._heartbeat = heartbeat_interval(config.stall_check_time_seconds)
+        self._stall_clock = StallClock(config.stall_check_time_seconds,
+                                       config.stall_shutdown_time_seconds)
         self._autotuner = None
         if config.autotune and self.rank == 0:
             self._autotuner = Autotuner(config.fusion_threshold, config.cycle_time,
@@ -154,12 +158,15 @@ class Coordinator:
     def _run(self) -> None:
         try:
             while True:
-                timeout = self.negotiator.cycle_time / 1000.0 if self._pending else None
+                timeout = self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
                 entries, shutdown = self.queue.wait(timeout)
                 for entry in entries:
                     self._pending[entry.request.name] = entry
                 started_ns = time.perf_counter_ns()
-                reply = self.negotiator.cycle([e.request for e in entries], shutdown)
+                oldest = min((e.submitted_ns for e in self._pending.values()), default=None)
+                stall = self._stall_clock.due(None if oldest is None else oldest / 1e9, started_ns / 1e9)
+                reply = self.negotiator.cycle([e.request for e in entries], shutdown, stall,
+                                              self._pending_ages)
                 replied_ns = time.perf_counter_ns()
                 if self.timeline is not None and (entries or reply.responses):
                     self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
@@ -170,6 +177,9 @@ class Coordinator:
                     proposal = self._autotuner.poll()
                     if proposal is not None:
                         self.negotiator.propose(proposal)
+                if reply.stall_error is not None:
+                    self._stop(StallError, reply.stall_error)
+                    return
                 if reply.shutdown_ranks:
                     self._stop(ShutdownError, f"rank(s) {list(reply.shutdown_ranks)} called "
                                "gradsync.shutdown() (or exited) first")
@@ -181,6 +191,10 @@ class Coordinator:
         finally:
             if self.timeline is not None:
                 self.timeline.close()
+
+    def _pending_ages(self) -> tuple[tuple[str, float], ...]:
+        now = time.perf_counter_ns()
+        return tuple((name, (now - e.submitted_ns) / 1e9) for name, e in self._pending.items())
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:

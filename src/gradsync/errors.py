@@ -25,3 +25,26 @@ class CollectiveError(GradsyncError):
 
 class ShutdownError(GradsyncError):
     """The background coordinator stopped while this operation was still pending."""
+
+
+class StallError(CollectiveError):
+    """Some ranks submitted a collective that others did not, for longer than
+    ``GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS``; the message is the stall report (tensor, ranks)."""
+
+
+class NcclError(GradsyncError):
+    """An NCCL call failed. The message names the call, NCCL's error string and its last error text.
+
+    ``call`` is the NCCL function (``"ncclCommInitRank"``) and ``result`` its ``ncclResult_t`` code,
+    or None when gradsync refused the call before reaching NCCL.
+    """
+
+    def __init__(self, message: str, result: int | None = None, call: str | None = None):
+        super().__init__(message)
+        self.result = result
+        self.call = call
+
+
+class NcclUnavailableError(ImportError):
+    """No usable NCCL library (libnccl.so.2) was found; the message lists every place tried and why
+    each failed. An ImportError, like a missing optional module."""

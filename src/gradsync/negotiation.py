@@ -16,18 +16,22 @@ were produced in.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from mpi4py import MPI
 
 from . import fusion
 from .config import Config
-from .protocol import CycleReply, Kind, Request, Response
+from .protocol import CycleReply, Kind, RankMessage, Request, Response
 from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits
+from .stall_inspector import StallInspector
 
-_UNCACHED_FLAG, _SHUTDOWN_FLAG, _SETTINGS_FLAG = 1, 2, 4
+_UNCACHED_FLAG, _SHUTDOWN_FLAG, _STALL_FLAG = 1, 2, 4
+log = logging.getLogger("gradsync")
 
 # Fields on which every rank must agree, with the word used in error messages.
 _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("root", "root rank"),
@@ -37,24 +41,52 @@ _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("ro
 class MessageTable:
     """Rank 0's record of submitted requests not yet answered."""
 
-    def __init__(self, size: int, fusion_threshold: int) -> None:
+    def __init__(self, size: int, fusion_threshold: int,
+                 inspector: StallInspector | None = None) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
+        self.inspector = inspector
         self._requests: dict[str, list[Request | None]] = {}
+        self._first_seen: dict[str, float] = {}
 
-    def cycle(self, gathered: Iterable[tuple[bool, list[Request]]]) -> CycleReply:
-        """Take one cycle's messages (one ``(shutdown, new requests)`` per rank, in rank order)."""
+    def cycle(self, gathered: Iterable[RankMessage]) -> CycleReply:
+        """Take one cycle's messages (one :class:`RankMessage` per rank, in rank order)."""
         ready: list[str] = []
         shutdown_ranks = []
-        for rank, (shutdown, requests) in enumerate(gathered):
-            if shutdown:
+        messages = list(gathered)
+        now = time.monotonic()
+        for rank, message in enumerate(messages):
+            if message.shutdown:
                 shutdown_ranks.append(rank)
-            for request in requests:
-                slots = self._requests.setdefault(request.name, [None] * self.size)
+            for request in message.requests:
+                slots = self._requests.get(request.name)
+                if slots is None:
+                    slots = self._requests[request.name] = [None] * self.size
+                    self._first_seen[request.name] = now
                 slots[rank] = request
                 if all(slot is not None for slot in slots):
                     ready.append(request.name)
-        return CycleReply(self._responses(ready), tuple(shutdown_ranks))
+        responses = self._responses(ready)
+        stall_error = None
+        if self.inspector is not None and any(m.stall for m in messages):
+            stall_error = self._inspect(messages, now)
+        return CycleReply(responses, tuple(shutdown_ranks), stall_error=stall_error)
+
+    def _inspect(self, messages: list[RankMessage], now: float) -> str | None:
+        """Log the stall report; return it if every rank must shut down with it."""
+        submitted: dict[str, set[int]] = {}
+        ages: dict[str, float] = {}
+        for name, slots in self._requests.items():
+            submitted[name] = {r for r, slot in enumerate(slots) if slot is not None}
+            ages[name] = now - self._first_seen[name]
+        for rank, message in enumerate(messages):
+            for name, age in message.pending or ():
+                submitted.setdefault(name, set()).add(rank)
+                ages[name] = max(ages.get(name, 0.0), age)
+        report, shut = self.inspector.inspect(submitted, ages)
+        if report is not None:
+            log.warning("gradsync: rank 0: %s", report)
+        return report if shut else None
 
     def pending(self) -> dict[str, list[int]]:
         """Names still waiting, with the ranks that have submitted them."""
@@ -66,6 +98,7 @@ class MessageTable:
         allreduces: list[Request] = []
         for name in ready:
             requests = self._requests.pop(name)
+            del self._first_seen[name]
             error = _disagreement(requests)
             first = requests[0]
             if error is not None:
@@ -118,7 +151,13 @@ class Negotiator:
         self.fusion_threshold = config.fusion_threshold
         self.cycle_time = config.cycle_time
         self._proposal: tuple[int, float] | None = None  # rank 0: settings to send next cycle
-        self.table = MessageTable(comm.Get_size(), config.fusion_threshold) if self.rank == 0 else None
+        self.table = None
+        if self.rank == 0:
+            inspector = None
+            if config.stall_check_time_seconds > 0:
+                inspector = StallInspector(comm.Get_size(), config.stall_check_time_seconds,
+                                           config.stall_shutdown_time_seconds)
+            self.table = MessageTable(comm.Get_size(), config.fusion_threshold, inspector)
         self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
         self._words = math.ceil(config.cache_capacity / 64)
         self._all_ones = (1 << (64 * self._words)) - 1
@@ -128,11 +167,16 @@ class Negotiator:
         self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
         self.full_cycles = self.cached_cycles = 0
 
-    def cycle(self, requests: list[Request], shutdown: bool) -> CycleReply:
-        """Negotiate one cycle with every rank; returns the responses all ranks will execute, in order."""
+    def cycle(self, requests: list[Request], shutdown: bool, stall: bool = False,
+              pending: Callable[[], tuple[tuple[str, float], ...]] = tuple) -> CycleReply:
+        """Negotiate one cycle with every rank; returns the responses all ranks will execute, in order.
+
+        ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
+        for (name, seconds waited), sent when a report is being made.
+        """
         if self.cache is None:
             self.full_cycles += 1
-            return self._full(requests, shutdown)
+            return self._full(RankMessage(shutdown, requests, stall, pending() if stall else None))
         uncached, self._resend = self._resend, []
         invalid = 0
         for request in requests:
@@ -144,18 +188,19 @@ class Negotiator:
             if state is Lookup.INVALID:
                 invalid |= 1 << bit
             uncached.append(request)
-        ready, invalid, need_full, shutdown_any = self._exchange(
-            invalid, bool(uncached) or self._proposal is not None, shutdown)
+        ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
+            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
         for bit in iter_bits(invalid):
             self.forget(bit)
             self.cache.evict(bit)
         responses = self._cached_responses(ready)
-        if not (need_full or shutdown_any):
+        if not (need_full or shutdown_any or stall_any):
             self.cached_cycles += 1
             return CycleReply(tuple(responses))
         self.full_cycles += 1
-        reply = self._full(uncached, shutdown)
-        return CycleReply(tuple(responses) + reply.responses, reply.shutdown_ranks)
+        # In a stall report every rank lists its pending collectives: cached ones are not in rank 0's table.
+        reply = self._full(RankMessage(shutdown, uncached, stall, pending() if stall_any else None))
+        return reply._replace(responses=tuple(responses) + reply.responses)
 
     def propose(self, settings: tuple[int, float]) -> None:
         """Rank 0: make every rank use (fusion threshold, cycle time) after the next cycle."""
@@ -175,20 +220,21 @@ class Negotiator:
             self._ready_bits &= ~(1 << bit)
             self._resend.append(request)
 
-    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool):
+    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool, stall: bool):
         """One AND allreduce: [ready bits | inverted invalid bits | inverted flags]."""
         words = self._words
         vector = self._vector
         vector[:words] = np.frombuffer(bits_to_words(self._ready_bits, words), np.uint64)
         vector[words:2 * words] = np.frombuffer(bits_to_words(self._all_ones ^ invalid, words), np.uint64)
-        flags = (_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
+        flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
+                 | (_STALL_FLAG if stall else 0))
         vector[-1] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
         self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
         ready = int.from_bytes(vector[:words].tobytes(), "little")
         invalid_any = self._all_ones ^ int.from_bytes(vector[words:2 * words].tobytes(), "little")
         common_flags = ~int(vector[-1])
         return (ready, invalid_any, bool(common_flags & _UNCACHED_FLAG),
-                bool(common_flags & _SHUTDOWN_FLAG))
+                bool(common_flags & _SHUTDOWN_FLAG), bool(common_flags & _STALL_FLAG))
 
     def _cached_responses(self, ready: int) -> list[Response]:
         responses: list[Response] = []
@@ -203,8 +249,8 @@ class Negotiator:
         responses.extend(fusion.plan_allreduce(allreduces, self.fusion_threshold))
         return responses
 
-    def _full(self, requests: list[Request], shutdown: bool) -> CycleReply:
-        gathered = self.comm.gather((shutdown, requests), root=0)
+    def _full(self, message: RankMessage) -> CycleReply:
+        gathered = self.comm.gather(message, root=0)
         reply = None
         if self.rank == 0:
             reply = self.table.cycle(gathered)._replace(settings=self._proposal)

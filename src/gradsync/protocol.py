@@ -72,10 +72,25 @@ class Response(NamedTuple):
     first_dims: tuple[int, ...] = ()
 
 
+class RankMessage(NamedTuple):
+    """What one rank sends rank 0 in a full negotiation cycle.
+
+    ``stall``: this rank asks for a stall report; ``pending``: when sent, every collective this rank
+    is waiting for, with the seconds it has waited.
+    """
+
+    shutdown: bool
+    requests: list[Request]
+    stall: bool = False
+    pending: tuple[tuple[str, float], ...] | None = None
+
+
 class CycleReply(NamedTuple):
     """Rank 0's answer to one negotiation cycle: the responses, which ranks asked to shut down, and
-    (from autotune) the (fusion threshold, cycle time) every rank uses from the next cycle on."""
+    (from autotune) the (fusion threshold, cycle time) every rank uses from the next cycle on, and a
+    stall report with which every rank shuts down."""
 
     responses: tuple[Response, ...]
     shutdown_ranks: tuple[int, ...] = ()
     settings: tuple[int, float] | None = None
+    stall_error: str | None = None

@@ -1,0 +1,90 @@
+"""The stall inspector: report collectives that some ranks submitted and others did not.
+
+Ranks that wait on such a collective ask for a report (a flag in the cycle); rank 0 then knows, from
+its message table and from every rank's list of pending collectives, which ranks submitted each name
+and which did not. It logs a warning after ``GRADSYNC_STALL_CHECK_TIME_SECONDS`` and, once
+``GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS`` has passed, makes the report the error with which every rank
+shuts down, instead of hanging.
+
+To keep this working while some rank is idle (its coordinator would otherwise sleep until it gets
+work), an idle coordinator takes part in one negotiation cycle every quarter of the check time (a
+*heartbeat*, at most every 15 s). With the check time 0, there is neither inspector nor heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("gradsync")
+
+MAX_HEARTBEAT = 15.0  # seconds
+
+
+def heartbeat_interval(check_time: float) -> float | None:
+    """Seconds an idle coordinator sleeps before joining a cycle anyway; None: sleep until work."""
+    if check_time <= 0:
+        return None
+    return min(max(check_time / 4, 0.05), MAX_HEARTBEAT)
+
+
+class StallClock:
+    """When this rank should ask for a stall report: once its oldest pending collective has waited
+    ``check_time``, then every ``check_time``, and at ``shutdown_time`` (if set)."""
+
+    def __init__(self, check_time: float, shutdown_time: float) -> None:
+        self.check_time = check_time
+        self.shutdown_time = shutdown_time
+        self._last_asked: float | None = None
+
+    def due(self, oldest_submitted: float | None, now: float) -> bool:
+        """Whether to raise the stall flag now (``oldest_submitted``: None when nothing is pending)."""
+        if self.check_time <= 0 or oldest_submitted is None:
+            self._last_asked = None
+            return False
+        if now - oldest_submitted < self.check_time:
+            return False
+        asked = self._last_asked
+        shutdown_at = oldest_submitted + self.shutdown_time if self.shutdown_time > 0 else None
+        due = (asked is None or now - asked >= self.check_time
+               or (shutdown_at is not None and asked < shutdown_at <= now))
+        if due:
+            self._last_asked = now
+        return due
+
+
+class StallInspector:
+    """Rank 0's report builder."""
+
+    def __init__(self, size: int, check_time: float, shutdown_time: float) -> None:
+        self.size = size
+        self.check_time = check_time
+        self.shutdown_time = shutdown_time
+
+    def inspect(self, submitted: dict[str, set[int]], ages: dict[str, float]) -> tuple[str | None, bool]:
+        """The report on names waited on for at least the check time, and whether to shut down.
+
+        Args:
+            submitted: name -> the ranks known to have submitted it.
+            ages: name -> seconds the oldest of its submissions has waited.
+        """
+        stalled = sorted((n for n, ranks in submitted.items()
+                          if len(ranks) < self.size and ages.get(n, 0.0) >= self.check_time),
+                         key=lambda n: -ages[n])
+        if not stalled:
+            return None, False
+        lines = [f"stall: {len(stalled)} collective(s) submitted by some ranks but not by "
+                 f"others for more than {self.check_time:g} s:"]
+        for name in stalled[:50]:
+            have = sorted(submitted[name])
+            missing = sorted(set(range(self.size)) - set(have))
+            lines.append(f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) {have}, "
+                         f"missing on rank(s) {missing}")
+        if len(stalled) > 50:
+            lines.append(f"  ... and {len(stalled) - 50} more")
+        lines.append("Every rank must submit the same collectives (same names); a rank that is missing "
+                     "one is still computing, has taken another code path, or has hung.")
+        shut = self.shutdown_time > 0 and max(ages[n] for n in stalled) >= self.shutdown_time
+        if shut:
+            lines.append(f"Shutting gradsync down on every rank: the stall lasted more than "
+                         f"GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_time:g} s.")
+        return "\n".join(lines), shut

@@ -1,0 +1,67 @@
+"""The stall inspector, alone (report text, when to ask) and on real jobs (warning, then shutdown)."""
+
+import re
+
+import pytest
+
+from gradsync.stall_inspector import StallClock, StallInspector, heartbeat_interval
+from mpi_launch import run_mpi
+
+
+def test_report_lists_submitting_and_missing_ranks():
+    inspector = StallInspector(size=4, check_time=60, shutdown_time=0)
+    report, shut = inspector.inspect({"grad.w": {0, 2}, "fresh": {1}, "done": {0, 1, 2, 3}},
+                                     {"grad.w": 75.0, "fresh": 5.0, "done": 99.0})
+    assert not shut
+    assert "'grad.w' (waiting 75.0 s): submitted by rank(s) [0, 2], missing on rank(s) [1, 3]" in report
+    assert "fresh" not in report and "done" not in report
+
+
+def test_report_says_when_it_shuts_down():
+    inspector = StallInspector(size=2, check_time=1, shutdown_time=3)
+    assert inspector.inspect({"x": {0}}, {"x": 2.0})[1] is False
+    report, shut = inspector.inspect({"x": {0}}, {"x": 3.5})
+    assert shut and "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS=3" in report
+
+
+def test_nothing_stalled_no_report():
+    assert StallInspector(2, 1, 0).inspect({"x": {0, 1}}, {"x": 9.0}) == (None, False)
+
+
+def test_clock_asks_after_check_time_then_every_check_time_and_at_shutdown():
+    clock = StallClock(check_time=10, shutdown_time=25)
+    assert not clock.due(0.0, 9.9)
+    assert clock.due(0.0, 10.0)
+    assert not clock.due(0.0, 15.0)
+    assert clock.due(0.0, 20.0)
+    assert clock.due(0.0, 25.0)  # the shutdown time: ask at once, not at the next check
+    assert not clock.due(0.0, 26.0)
+    assert not clock.due(None, 27.0)  # nothing pending
+    assert not StallClock(0, 0).due(0.0, 1e9)  # disabled
+
+
+def test_heartbeat_only_when_the_inspector_is_on():
+    assert heartbeat_interval(0) is None
+    assert heartbeat_interval(60) == 15
+    assert heartbeat_interval(1) == 0.25
+    assert heartbeat_interval(3600) == 15
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("cache", ["1024", "0"])
+def test_stall_warns_then_shuts_down_every_rank(ranks, cache):
+    env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3",
+           "GRADSYNC_CACHE_CAPACITY": cache, "IDLE_SECONDS": "8"}
+    out = run_mpi("stall_check.py", ranks, env=env, timeout=90).stdout
+    last = ranks - 1
+    have = list(range(ranks - 1))
+    # The warning, from rank 0, names the tensor and both groups of ranks.
+    assert re.search(rf"'only.some' \(waiting \d+\.\d s\): submitted by rank\(s\) {re.escape(str(have))}, "
+                     rf"missing on rank\(s\) \[{last}\]", out), out
+    # Then every waiting rank failed with the report, within the shutdown time plus a heartbeat or two.
+    times = [float(t) for t in re.findall(r"StallError after (\d+\.\d) s", out)]
+    assert len(times) == ranks - 1, out
+    assert all(3.0 <= t <= 6.0 for t in times), times
+    assert "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS=3" in out
+    assert f"rank {last}: after the stall: StallError" in out, out
