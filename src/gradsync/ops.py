@@ -26,10 +26,12 @@ _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
 
 def _prepare(tensor: Any, name: str | None, kind: Kind):
-    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info, name."""
+    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info and the label
+    that names it in errors. An unnamed op gets its name only once every check passed (_name), so a
+    call rejected on one rank does not shift the names of that rank's later unnamed ops."""
     rt = runtime.get()
-    name = rt.auto_name(kind.name.lower()) if name is None else str(name)
-    where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {name!r}"
+    label = "(unnamed)" if name is None else repr(str(name))
+    where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
     try:
         adapter = adapter_for(tensor, name)
     except TypeError as exc:  # name the rank too, as every error about a collective does
@@ -40,7 +42,11 @@ def _prepare(tensor: Any, name: str | None, kind: Kind):
     if info.device != "cpu":
         raise TypeError(f"{where}: the tensor is on {info.device}; this version of gradsync "
                         "moves host (CPU) memory only")
-    return rt, adapter, info, name
+    return rt, adapter, info, where
+
+
+def _name(rt: runtime.Runtime, name: str | None, kind: str) -> str:
+    return rt.auto_name(kind) if name is None else str(name)
 
 
 def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, postscale: float):
@@ -54,8 +60,7 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool) -> Handle:
-    rt, adapter, info, name = _prepare(tensor, name, Kind.ALLREDUCE)
-    where = f"gradsync: rank {rt.rank}: allreduce of tensor {name!r}"
+    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLREDUCE)
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -70,6 +75,7 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
     else:
         result = adapter.empty(tensor, info.shape)
         target = adapter.host_view(result)
+    name = _name(rt, name, "allreduce")
     request = Request(name, Kind.ALLREDUCE, rt.rank, info.dtype, info.shape, op, -1,
                       prescale, postscale)
     return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
@@ -126,18 +132,19 @@ def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Ave
 
 
 def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) -> Handle:
-    rt, adapter, info, name = _prepare(tensor, name, Kind.BROADCAST)
+    rt, adapter, info, where = _prepare(tensor, name, Kind.BROADCAST)
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
-        raise ValueError(f"gradsync: rank {rt.rank}: broadcast of tensor {name!r}: root_rank="
-                         f"{root_rank!r} is not a rank of this job (0 .. {rt.size - 1})")
+        raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
+                         f"(0 .. {rt.size - 1})")
     source = adapter.host_view(tensor)
     if in_place:
         if not source.flags.writeable:
-            raise ValueError(f"gradsync: rank {rt.rank}: broadcast_ of read-only tensor {name!r}")
+            raise ValueError(f"{where}: in-place broadcast of a read-only array")
         result, target = tensor, source
     else:
         result = adapter.empty(tensor, info.shape)
         target = adapter.host_view(result)
+    name = _name(rt, name, "broadcast")
     request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank))
     return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
 
@@ -183,15 +190,16 @@ def allgather_async(tensor: Any, name: str | None = None) -> Handle:
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    rt, adapter, info, name = _prepare(tensor, name, Kind.ALLGATHER)
+    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLGATHER)
     if len(info.shape) == 0:
-        raise ValueError(f"gradsync: rank {rt.rank}: allgather of tensor {name!r}: needs at least "
-                         "one dimension, got a 0-d tensor (reshape it to (1,))")
+        raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
+                         "to (1,))")
 
     def allocate(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
         result = adapter.empty(tensor, shape)
         return result, adapter.host_view(result)
 
+    name = _name(rt, name, "allgather")
     request = Request(name, Kind.ALLGATHER, rt.rank, info.dtype, info.shape)
     entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
     return rt.coordinator.submit(entry)
@@ -208,7 +216,7 @@ def barrier(name: str | None = None) -> None:
     Goes through the coordinator, so it is ordered with the collectives submitted before it.
     """
     rt = runtime.get()
-    name = rt.auto_name("barrier") if name is None else str(name)
+    name = _name(rt, name, "barrier")
     request = Request(name, Kind.BARRIER, rt.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
     synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
@@ -221,7 +229,10 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     then its bytes. Same errors as :func:`broadcast`; unpickling errors propagate.
     """
     rt = runtime.get()
-    name = rt.auto_name("broadcast_object") if name is None else str(name)
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
+        raise ValueError(f"gradsync: rank {rt.rank}: broadcast_object: root_rank={root_rank!r} is "
+                         f"not a rank of this job (0 .. {rt.size - 1})")
+    name = _name(rt, name, "broadcast_object")
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rt.rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], np.int64)
     broadcast_(length, root_rank, name=f"{name}.size")
@@ -233,7 +244,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Gather any picklable object from every rank; returns the list indexed by rank, on every rank."""
     rt = runtime.get()
-    name = rt.auto_name("allgather_object") if name is None else str(name)
+    name = _name(rt, name, "allgather_object")
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
     sizes = allgather(np.array([payload.size], np.int64), name=f"{name}.size")
     data = allgather(payload.copy(), name=f"{name}.data")
