@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
 from .handles import Handle
+from .nccl import nccl_built, nccl_version
 from .ops import (
     allgather,
     allgather_async,
@@ -65,6 +66,7 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "allgather", "allgather_async", "allgather_object", "barrier", "synchronize", "poll",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
+    "nccl_built", "nccl_version",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
     *_TORCH_NAMES,
 ]

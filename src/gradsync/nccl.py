@@ -1,0 +1,545 @@
+"""The NCCL binding: libnccl.so.2 through cffi in ABI mode (no compiler, no CUDA headers at install time).
+
+The declarations are ``nccl_api.h`` beside this module (a link to ``native/nccl_api.h`` in a source
+checkout). This module is framework-agnostic: device buffers and CUDA streams are plain integers
+(pointers) that the caller takes from its framework (``tensor.data_ptr()``,
+``torch.cuda.current_stream().cuda_stream``, ``cupy_array.data.ptr``, ...).
+
+Where the library is looked for, in order (the first that loads wins):
+
+1. ``GRADSYNC_NCCL_LIBRARY``: the path of libnccl.so.2 (or of its directory). When set, it is the only
+   place looked at: a wrong path is an error, never a silent fall-back to another NCCL.
+2. the ``nvidia-nccl-cu12`` wheel (``pip install gradsync[nccl]``),
+3. the ``nvidia-nccl-cu13`` wheel,
+4. the system: ``ctypes.util.find_library("nccl")``, then ``libnccl.so.2`` through the dynamic loader
+   (``LD_LIBRARY_PATH``, ld.so.cache).
+
+The library is loaded once per process, on first use (:func:`load_library`); it loads and answers
+:func:`version` and :func:`unique_id` without a GPU. Creating a communicator needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes.util
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.resources
+import operator
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from .errors import NcclError, NcclUnavailableError
+from .protocol import ReduceOp
+
+__all__ = [
+    "ENV_LIBRARY", "Library", "load_library", "version", "decode_version", "unique_id",
+    "Communicator", "group", "check", "nccl_dtype", "nccl_op", "nccl_built", "nccl_version",
+    "NcclError", "NcclUnavailableError",
+]
+
+#: Environment variable naming the NCCL library to load (a file, or a directory holding libnccl.so.2).
+ENV_LIBRARY = "GRADSYNC_NCCL_LIBRARY"
+LIBRARY_NAME = "libnccl.so.2"
+#: pip distributions that ship libnccl.so.2, in the order they are looked at.
+WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
+UNIQUE_ID_BYTES = 128
+
+#: NCCL version that added ncclAvg and ncclBfloat16.
+_AVG_AND_BF16 = (2, 10, 0)
+
+_DTYPES = MappingProxyType({
+    "float16": "ncclFloat16",
+    "bfloat16": "ncclBfloat16",
+    "float32": "ncclFloat32",
+    "float64": "ncclFloat64",
+    "int8": "ncclInt8",
+    "uint8": "ncclUint8",
+    "int32": "ncclInt32",
+    "int64": "ncclInt64",
+    # 0/1 bytes; only max (logical or) and min (logical and) are meaningful, see nccl_op().
+    "bool": "ncclUint8",
+})
+_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+_OPS = MappingProxyType({
+    ReduceOp.Sum: "ncclSum",
+    ReduceOp.Product: "ncclProd",
+    ReduceOp.Min: "ncclMin",
+    ReduceOp.Max: "ncclMax",
+})
+# bool travels as uint8 0/1: Sum and Max are logical or (max), Min and Product logical and (min).
+_BOOL_OPS = MappingProxyType({
+    ReduceOp.Sum: "ncclMax",
+    ReduceOp.Max: "ncclMax",
+    ReduceOp.Min: "ncclMin",
+    ReduceOp.Product: "ncclMin",
+})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+@functools.cache
+def _ffi() -> Any:
+    """The cffi FFI holding the declarations of nccl_api.h (no library loaded)."""
+    try:
+        import cffi
+    except ImportError as exc:
+        raise NcclUnavailableError(f"the NCCL binding needs cffi ({exc}); pip install cffi") from None
+    try:
+        declarations = importlib.resources.files(__package__).joinpath("nccl_api.h").read_text()
+    except OSError as exc:
+        raise NcclUnavailableError(
+            f"the NCCL declarations gradsync/nccl_api.h are missing ({exc}); "
+            "this gradsync installation is incomplete") from None
+    ffi = cffi.FFI()
+    ffi.cdef(declarations)
+    return ffi
+
+
+def _const(name: str) -> int:
+    """The value of an enum constant of nccl_api.h, e.g. ``_const("ncclFloat32") == 7``."""
+    ffi = _ffi()
+    for enum in ("ncclDataType_t", "ncclRedOp_t", "ncclResult_t"):
+        values = ffi.typeof(enum).relements
+        if name in values:
+            return values[name]
+    raise KeyError(f"{name} is not an enum constant of nccl_api.h")
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A loaded NCCL: the cffi ``lib``, where it came from, and its version code."""
+
+    ffi: Any
+    lib: Any
+    path: str
+    source: str
+    version_code: int
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        return decode_version(self.version_code)
+
+
+def decode_version(code: int) -> tuple[int, int, int]:
+    """(major, minor, patch) of an ``ncclGetVersion`` code.
+
+    From 2.9 on the code is ``major*10000 + minor*100 + patch`` (2.32.3 -> 23203); before, it was
+    ``major*1000 + minor*100 + patch`` (2.8.4 -> 2804), as the ``NCCL_VERSION`` macro of nccl.h says.
+    """
+    if code >= 10000:
+        return code // 10000, code % 10000 // 100, code % 100
+    return code // 1000, code % 1000 // 100, code % 100
+
+
+def _open(ffi: Any, source: str, path: str, tried: list[str]) -> Library | None:
+    """dlopen ``path`` and check that it is an NCCL; on failure, append why to ``tried``."""
+    try:
+        lib = ffi.dlopen(path)
+    except OSError as exc:
+        tried.append(f"{source}: {exc}")
+        return None
+    try:
+        get_version = lib.ncclGetVersion
+    except AttributeError:
+        tried.append(f"{source}: {path} loads but is not NCCL (it has no ncclGetVersion)")
+        return None
+    code = ffi.new("int *")
+    result = get_version(code)
+    if result != 0:
+        tried.append(f"{source}: {path}: ncclGetVersion returned {result}")
+        return None
+    return Library(ffi=ffi, lib=lib, path=path, source=source, version_code=code[0])
+
+
+def _wheel_paths(distribution: str) -> list[str] | str:
+    """Where the pip distribution keeps libnccl.so.2, or why there is nothing to try."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+    paths = [str(dist.locate_file(f)) for f in dist.files or () if f.name == LIBRARY_NAME]
+    if paths:
+        return paths
+    # No RECORD to read: nvidia.nccl is a namespace package (no __init__.py), hence __path__.
+    try:
+        import nvidia.nccl
+    except ImportError as exc:
+        return f"installed, but its files are not listed and nvidia.nccl does not import ({exc})"
+    return [os.path.join(p, "lib", LIBRARY_NAME) for p in nvidia.nccl.__path__]
+
+
+def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | None) -> Library:
+    """Load the first NCCL found (module docstring order); raise NcclUnavailableError listing all tries.
+
+    ``explicit`` is the value of GRADSYNC_NCCL_LIBRARY ('' when unset), ``wheels`` the pip
+    distributions to look in, ``system`` the (find_library name, soname) pair of the system search, or
+    None to skip it. Parameters, so that tests can search places that do not exist.
+    """
+    ffi = _ffi()
+    tried: list[str] = []
+    if explicit:
+        path = Path(explicit).expanduser()
+        if path.is_dir():
+            path = path / LIBRARY_NAME
+        source = f"{ENV_LIBRARY}={explicit}"
+        if not path.exists():
+            tried.append(f"{source}: no such file: {path}")
+        elif (library := _open(ffi, source, str(path), tried)) is not None:
+            return library
+        raise NcclUnavailableError(_not_found(tried, f"no other place was searched because {ENV_LIBRARY} "
+                                                     "is set; unset it to search the wheels and the system"))
+    tried.append(f"{ENV_LIBRARY}: not set")
+    for wheel in wheels:
+        paths = _wheel_paths(wheel)
+        if isinstance(paths, str):
+            tried.append(f"{wheel} wheel: {paths}")
+            continue
+        for path in paths:
+            if not os.path.exists(path):
+                tried.append(f"{wheel} wheel: no such file: {path}")
+            elif (library := _open(ffi, f"{wheel} wheel", path, tried)) is not None:
+                return library
+    if system is not None:
+        short_name, soname = system
+        found = ctypes.util.find_library(short_name)
+        if found is None:
+            tried.append(f"system: ctypes.util.find_library({short_name!r}) found nothing")
+        for name in dict.fromkeys(n for n in (found, soname) if n):
+            if (library := _open(ffi, f"system ({name})", name, tried)) is not None:
+                return library
+    raise NcclUnavailableError(_not_found(tried, f"install it with `pip install gradsync[nccl]` (CUDA 12; "
+                                                 f"nvidia-nccl-cu13 for CUDA 13) or set {ENV_LIBRARY} "
+                                                 "to the path of libnccl.so.2"))
+
+
+def _not_found(tried: list[str], advice: str) -> str:
+    lines = "\n".join(f"  - {t}" for t in tried)
+    return f"no usable NCCL library ({LIBRARY_NAME}); tried:\n{lines}\n{advice}"
+
+
+@functools.cache
+def load_library() -> Library:
+    """The NCCL library of this process, loaded on the first call (see the module docstring for where
+    it is looked for); later calls return the same object. Works without a GPU.
+
+    Raises:
+        NcclUnavailableError: no place had a loadable NCCL; the message lists each place and why.
+    """
+    return _search(os.environ.get(ENV_LIBRARY, ""), WHEELS, ("nccl", LIBRARY_NAME))
+
+
+def nccl_built() -> bool:
+    """Whether gradsync can use NCCL in this process: True when an NCCL library loads.
+
+    The counterpart of Horovod's ``hvd.nccl_built()``, answered at run time: gradsync loads NCCL
+    (see :mod:`gradsync.nccl` for where it looks) instead of linking it at build time. It does not
+    need a GPU, nor ``gradsync.init()``, and never raises; True does not mean that a GPU is present.
+    """
+    try:
+        load_library()
+    except NcclUnavailableError:
+        return False
+    return True
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The (major, minor, patch) version of the NCCL library gradsync loads, e.g. ``(2, 32, 3)``;
+    None when none loads (then :func:`nccl_built` is False). Needs no GPU and never raises."""
+    try:
+        return load_library().version
+    except NcclUnavailableError:
+        return None
+
+
+def version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the loaded NCCL. Raises NcclUnavailableError when none loads."""
+    return load_library().version
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+
+
+def _text(ffi: Any, pointer: Any) -> str:
+    return ffi.string(pointer).decode(errors="replace") if pointer != ffi.NULL else ""
+
+
+def _last_error(library: Library, comm: Any = None) -> str:
+    try:
+        get_last_error = library.lib.ncclGetLastError  # NCCL >= 2.13
+    except AttributeError:
+        return ""
+    return _text(library.ffi, get_last_error(library.ffi.NULL if comm is None else comm))
+
+
+def check(result: int, what: str, comm: Any = None) -> None:
+    """Raise :class:`NcclError` unless ``result`` (an ``ncclResult_t``) is ncclSuccess.
+
+    ``what`` names the call (``"ncclAllReduce"``, or with its arguments: ``"ncclCommInitRank(nranks=2,
+    rank=1)"``); the message adds NCCL's error string and, when the library has one, its last error
+    text (``ncclGetLastError``, for ``comm`` when given). The error's ``call`` is the function name.
+    """
+    if result == 0:
+        return
+    library = load_library()
+    message = f"{what} failed: {_text(library.ffi, library.lib.ncclGetErrorString(result))} " \
+              f"(ncclResult_t {result})"
+    last = _last_error(library, comm)
+    if last:
+        message += f"; last NCCL error: {last}"
+    raise NcclError(message, result=result, call=what.partition("(")[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# dtypes and reduction operations
+
+
+def nccl_dtype(dtype: str, nccl: tuple[int, int, int] | None = None) -> int:
+    """The ``ncclDataType_t`` of a gradsync dtype name, for NCCL version ``nccl`` (default: the loaded one).
+
+    bool travels as uint8 (0/1; reduce it only with the ops :func:`nccl_op` picks for bool).
+
+    Raises:
+        TypeError: int16 (NCCL has no 16-bit integer type), bfloat16 before NCCL 2.10, or an unknown name.
+    """
+    if dtype == "int16":
+        raise TypeError("NCCL has no 16-bit integer type: int16 tensors cannot be reduced with NCCL; "
+                        "convert them to int32 (or reduce them on the host with MPI)")
+    if dtype not in _DTYPES:
+        raise TypeError(f"NCCL does not support dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+    if dtype == "bfloat16" and (nccl or version()) < _AVG_AND_BF16:
+        raise TypeError(f"bfloat16 needs NCCL >= 2.10; this NCCL is {_dotted(nccl or version())}")
+    return _const(_DTYPES[dtype])
+
+
+def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) -> tuple[int, bool]:
+    """The ``ncclRedOp_t`` for ``op`` on ``dtype`` tensors, and whether the caller must still divide.
+
+    Returns ``(nccl_red_op, divide)``. ``divide`` is True only for ``Average`` computed as ``ncclSum``:
+    the caller divides the result by the number of ranks. That happens for integer dtypes (ncclAvg
+    would truncate in the tensor's own dtype, and gradsync's integer Average is the floor of the exact
+    mean, computed in a wide accumulator) and for NCCL older than 2.10, which has no ncclAvg.
+    bool: Sum and Max are logical or (ncclMax on 0/1), Min and Product logical and (ncclMin).
+
+    Raises:
+        TypeError: Average of bool, or an unsupported dtype (see :func:`nccl_dtype`).
+    """
+    op = ReduceOp(op)
+    nccl_dtype(dtype, nccl)
+    if dtype == "bool":
+        if op == ReduceOp.Average:
+            raise TypeError("op=Average is not defined for bool tensors; use Sum (logical or) or "
+                            "Min (logical and)")
+        return _const(_BOOL_OPS[op]), False
+    if op == ReduceOp.Average:
+        if dtype in _FLOATING and (nccl or version()) >= _AVG_AND_BF16:
+            return _const("ncclAvg"), False
+        return _const("ncclSum"), True
+    return _const(_OPS[op]), False
+
+
+def _dotted(v: tuple[int, int, int]) -> str:
+    return ".".join(map(str, v))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Communicators
+
+
+def unique_id() -> bytes:
+    """A new NCCL unique id (128 bytes): created on one rank, sent to the others (e.g. by MPI
+    broadcast), passed to :meth:`Communicator.init_rank` on every rank. Needs no GPU; it opens a
+    bootstrap listening socket (choose its interface with NCCL_SOCKET_IFNAME)."""
+    library = load_library()
+    uid = library.ffi.new("ncclUniqueId *")
+    check(library.lib.ncclGetUniqueId(uid), "ncclGetUniqueId")
+    return bytes(library.ffi.buffer(uid))
+
+
+@contextlib.contextmanager
+def group() -> Iterator[None]:
+    """``ncclGroupStart()`` ... ``ncclGroupEnd()`` around the body: NCCL calls inside it are launched
+    together (needed for send/recv pairs and for several communicators driven by one thread).
+
+    If the body raises, the group is still ended (NCCL needs balanced calls) and the body's exception
+    propagates; otherwise an error of ncclGroupEnd raises :class:`NcclError`.
+    """
+    library = load_library()
+    check(library.lib.ncclGroupStart(), "ncclGroupStart")
+    try:
+        yield
+    except BaseException:
+        library.lib.ncclGroupEnd()
+        raise
+    check(library.lib.ncclGroupEnd(), "ncclGroupEnd")
+
+
+class Communicator:
+    """One NCCL communicator (a rank's member of an NCCL clique), created by :meth:`init_rank`.
+
+    Collectives are enqueued on the CUDA ``stream`` given (an integer ``cudaStream_t``; 0 is the
+    default stream) and return before the data has moved: the caller orders them with its own CUDA
+    events. Buffers are device pointers (integers) and counts are in elements of ``dtype`` (a gradsync
+    dtype name). Call :meth:`destroy` (or :meth:`abort`, or use ``with``) when done; it is not done
+    by garbage collection, since destroying a communicator is a call every rank must make.
+    """
+
+    def __init__(self, handle: Any, library: Library):
+        self._handle = handle
+        self._library = library
+
+    @classmethod
+    def init_rank(cls, nranks: int, unique_id: bytes, rank: int) -> Communicator:
+        """``ncclCommInitRank``: join the clique of ``nranks`` identified by ``unique_id`` as ``rank``.
+
+        Uses the current CUDA device (set it before, e.g. ``torch.cuda.set_device(local_rank)``) and
+        blocks until all ``nranks`` ranks have called it.
+
+        Raises:
+            ValueError: a unique id that is not 128 bytes, or a rank outside ``[0, nranks)``.
+            NcclError: NCCL refused (no GPU: "unhandled cuda error").
+        """
+        unique_id = bytes(unique_id)
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        if not 0 <= rank < nranks:
+            raise ValueError(f"rank {rank} is outside [0, {nranks})")
+        library = load_library()
+        ffi = library.ffi
+        uid = ffi.new("ncclUniqueId *")
+        ffi.memmove(uid, unique_id, UNIQUE_ID_BYTES)
+        out = ffi.new("ncclComm_t *")
+        check(library.lib.ncclCommInitRank(out, nranks, uid[0], rank),
+              f"ncclCommInitRank(nranks={nranks}, rank={rank})")
+        return cls(out[0], library)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _live(self, what: str) -> Any:
+        if self._handle is None:
+            raise NcclError(f"{what}: this NCCL communicator was already destroyed or aborted", call=what)
+        return self._handle
+
+    def _check(self, result: int, what: str) -> None:
+        check(result, what, self._handle)
+
+    def _int(self, function: str, what: str) -> int:
+        out = self._library.ffi.new("int *")
+        self._check(getattr(self._library.lib, function)(self._live(what), out), function)
+        return out[0]
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the clique (ncclCommCount)."""
+        return self._int("ncclCommCount", "size")
+
+    @property
+    def rank(self) -> int:
+        """This member's rank (ncclCommUserRank)."""
+        return self._int("ncclCommUserRank", "rank")
+
+    @property
+    def device(self) -> int:
+        """The CUDA device of this communicator (ncclCommCuDevice)."""
+        return self._int("ncclCommCuDevice", "device")
+
+    def async_error(self) -> str | None:
+        """None while the communicator is healthy, else NCCL's text of its asynchronous error
+        (ncclCommGetAsyncError), e.g. a peer that failed; then :meth:`abort` it."""
+        result = self._library.ffi.new("ncclResult_t *")
+        self._check(self._library.lib.ncclCommGetAsyncError(self._live("async_error"), result),
+                    "ncclCommGetAsyncError")
+        if result[0] == 0:
+            return None
+        text = _text(self._library.ffi, self._library.lib.ncclGetErrorString(result[0]))
+        last = _last_error(self._library, self._handle)
+        return f"{text} (ncclResult_t {result[0]})" + (f"; last NCCL error: {last}" if last else "")
+
+    def destroy(self) -> None:
+        """ncclCommDestroy: wait for pending operations and free the communicator. Idempotent."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            check(self._library.lib.ncclCommDestroy(handle), "ncclCommDestroy")
+
+    def abort(self) -> None:
+        """ncclCommAbort: free the communicator without waiting (after an error). Idempotent."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            check(self._library.lib.ncclCommAbort(handle), "ncclCommAbort")
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.destroy()
+        else:
+            self.abort()
+
+    # -- data movement -------------------------------------------------------------------------
+
+    def _args(self, what: str, pointers: tuple[int, ...], count: int, dtype: str, stream: int):
+        ffi = self._library.ffi
+        if operator.index(count) < 0:
+            raise ValueError(f"{what}: count must not be negative, got {count}")
+        return ([ffi.cast("void *", operator.index(p)) for p in pointers], count,
+                nccl_dtype(dtype, self._library.version), self._live(what),
+                ffi.cast("cudaStream_t", operator.index(stream)))
+
+    def allreduce(self, sendptr: int, recvptr: int, count: int, dtype: str, op: ReduceOp,
+                  stream: int) -> int:
+        """ncclAllReduce of ``count`` elements (in place when ``sendptr == recvptr``).
+
+        Returns the number the caller must still divide the result by: 1, or the number of ranks when
+        ``op`` is Average and NCCL ran it as Sum (see :func:`nccl_op`).
+        """
+        red_op, divide = nccl_op(op, dtype, self._library.version)
+        (send, recv), count, datatype, comm, cuda_stream = self._args(
+            "ncclAllReduce", (sendptr, recvptr), count, dtype, stream)
+        self._check(self._library.lib.ncclAllReduce(send, recv, count, datatype, red_op, comm, cuda_stream),
+                    "ncclAllReduce")
+        return self.size if divide else 1
+
+    def broadcast(self, sendptr: int, recvptr: int, count: int, dtype: str, root: int, stream: int) -> None:
+        """ncclBroadcast of ``count`` elements from ``root``'s ``sendptr`` into every ``recvptr``."""
+        (send, recv), count, datatype, comm, cuda_stream = self._args(
+            "ncclBroadcast", (sendptr, recvptr), count, dtype, stream)
+        self._check(self._library.lib.ncclBroadcast(send, recv, count, datatype, root, comm, cuda_stream),
+                    "ncclBroadcast")
+
+    def allgather(self, sendptr: int, recvptr: int, sendcount: int, dtype: str, stream: int) -> None:
+        """ncclAllGather: ``sendcount`` elements from each rank into ``recvptr`` (size x sendcount),
+        in rank order."""
+        (send, recv), count, datatype, comm, cuda_stream = self._args(
+            "ncclAllGather", (sendptr, recvptr), sendcount, dtype, stream)
+        self._check(self._library.lib.ncclAllGather(send, recv, count, datatype, comm, cuda_stream),
+                    "ncclAllGather")
+
+    def reducescatter(self, sendptr: int, recvptr: int, recvcount: int, dtype: str, op: ReduceOp,
+                      stream: int) -> int:
+        """ncclReduceScatter: reduce ``sendptr`` (size x recvcount) and leave block ``rank`` in
+        ``recvptr``. Returns the divisor still to apply, as :meth:`allreduce`."""
+        red_op, divide = nccl_op(op, dtype, self._library.version)
+        (send, recv), count, datatype, comm, cuda_stream = self._args(
+            "ncclReduceScatter", (sendptr, recvptr), recvcount, dtype, stream)
+        self._check(self._library.lib.ncclReduceScatter(send, recv, count, datatype, red_op, comm,
+                                                        cuda_stream), "ncclReduceScatter")
+        return self.size if divide else 1
+
+    def send(self, sendptr: int, count: int, dtype: str, peer: int, stream: int) -> None:
+        """ncclSend of ``count`` elements to ``peer`` (pair it with the peer's recv, inside :func:`group`
+        when a rank both sends and receives)."""
+        (send,), count, datatype, comm, cuda_stream = self._args("ncclSend", (sendptr,), count, dtype, stream)
+        self._check(self._library.lib.ncclSend(send, count, datatype, peer, comm, cuda_stream), "ncclSend")
+
+    def recv(self, recvptr: int, count: int, dtype: str, peer: int, stream: int) -> None:
+        """ncclRecv of ``count`` elements from ``peer``."""
+        (recv,), count, datatype, comm, cuda_stream = self._args("ncclRecv", (recvptr,), count, dtype, stream)
+        self._check(self._library.lib.ncclRecv(recv, count, datatype, peer, comm, cuda_stream), "ncclRecv")
