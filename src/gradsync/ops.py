@@ -34,9 +34,9 @@ def _prepare(tensor: Any, name: str | None, kind: Kind):
     where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
     try:
         adapter = adapter_for(tensor, name)
+        info = adapter.info(tensor)
     except TypeError as exc:  # name the rank too, as every error about a collective does
         raise TypeError(f"{where}: {str(exc).removeprefix('gradsync: ')}") from None
-    info = adapter.info(tensor)
     if info.dtype not in dtypes.NUMPY_DTYPES:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
     if info.device != "cpu":

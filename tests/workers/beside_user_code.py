@@ -28,6 +28,12 @@ def check_rejected_unnamed_call_does_not_shift_names():
             gradsync.broadcast(np.ones(2), root_rank=size)
         except ValueError as exc:
             assert "root_rank" in str(exc), exc
+        try:
+            import torch
+
+            gradsync.allreduce(torch.eye(3).to_sparse())
+        except TypeError as exc:
+            assert "sparse_coo" in str(exc) and "sparse_as_dense=True" in str(exc), exc
     # Every rank's next unnamed ops must pair up: otherwise this waits until the stall shutdown.
     for i in range(3):
         out = gradsync.allreduce(np.full(2, float(rank + i)), op=gradsync.Sum)

@@ -110,6 +110,77 @@ def case_scheduler_created_before_wrapping_raises():
     assert opt.param_groups[0]["lr"] == 0.05
 
 
+def case_tied_parameters_are_reduced_once():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.Tanh(), shared)  # the same weights twice
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model.named_parameters())
+    assert len(opt._gs_names) == 2  # weight and bias, once each
+    x = torch.full((2, 3), float(rank + 1))
+    model(x).sum().backward()
+    opt.synchronize()
+    expected = None
+    for r in range(size):  # the average of every rank's local gradient
+        twin = copy.deepcopy(model)
+        twin(torch.full((2, 3), float(r + 1))).sum().backward()
+        g = twin[0].weight.grad / size
+        expected = g if expected is None else expected + g
+    assert torch.allclose(shared.weight.grad, expected, atol=1e-6)
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def case_overlapping_distributed_optimizers_raise():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    first = gradsync.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                          model[0].named_parameters(prefix="0"))
+    with raises(ValueError, "'0.weight' is already reduced by another DistributedOptimizer"):
+        gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      model.named_parameters())
+    # Disjoint parameters are fine, and so is re-wrapping once the first optimizer is gone.
+    gradsync.DistributedOptimizer(torch.optim.SGD(model[1].parameters(), lr=0.1),
+                                  model[1].named_parameters(prefix="1"))
+    del first
+    again = gradsync.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                          model[0].named_parameters(prefix="0"))
+    model(torch.ones(1, 3)).sum().backward()
+    again.step()  # the dropped optimizer's hooks are gone: no second allreduce of the same grads
+
+
+def case_second_backward_through_a_wrapped_module_raises():
+    torch.manual_seed(0)
+    generator, discriminator = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    d_opt = gradsync.DistributedOptimizer(torch.optim.SGD(discriminator.parameters(), lr=0.1),
+                                          discriminator.named_parameters(prefix="D"))
+    discriminator(torch.randn(4, 2)).mean().backward()  # D's own loss
+    with raises(RuntimeError, "parameter 'D.", "GAN", "requires_grad_(False)"):
+        discriminator(generator(torch.randn(4, 2))).mean().backward()  # G's loss through D
+    d_opt.step()
+
+
+def case_sparse_gradients_allgathered_or_densified():
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        opt = gradsync.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1),
+                                            embedding.named_parameters(prefix=f"emb{as_dense}"),
+                                            sparse_as_dense=as_dense)
+        rows = torch.tensor([rank % 10, (rank + 3) % 10, 7])  # overlapping rows across ranks
+        embedding(rows).sum().backward()
+        opt.synchronize()
+        grad = embedding.weight.grad.to_dense()
+        expected = torch.zeros(10, 3)
+        for r in range(size):
+            for row in (r % 10, (r + 3) % 10, 7):
+                expected[row] += 1.0 / size
+        assert torch.allclose(grad, expected, atol=1e-6), (as_dense, grad, expected)
+        assert embedding.weight.grad.is_sparse != as_dense
+        with opt.skip_synchronize():
+            opt.step()
+
+
 def case_frozen_parameters_are_skipped():
     torch.manual_seed(0)
     model2 = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
@@ -150,7 +221,7 @@ def case_too_many_backward_passes_raises():
     x, y = local_batch()
     loss_of(model, x, y).backward()
     loss_of(model, x, y).backward()
-    with raises(RuntimeError, "backward_passes_per_step=2", "Raise backward_passes_per_step"):
+    with raises(RuntimeError, "backward_passes_per_step=2", "raise backward_passes_per_step"):
         loss_of(model, x, y).backward()
     opt.step()
 

@@ -19,6 +19,10 @@ class TorchAdapter:
     """torch.Tensor on the CPU; bfloat16 is viewed through int16 as ml_dtypes.bfloat16."""
 
     def info(self, x: torch.Tensor) -> TensorInfo:
+        if x.layout != torch.strided:
+            raise TypeError(f"a {x.layout} tensor cannot be reduced as it is: densify it "
+                            "(tensor.to_dense()), allgather its indices and values, or, for "
+                            "gradients, use DistributedOptimizer(..., sparse_as_dense=True)")
         return TensorInfo(_NAMES.get(x.dtype, str(x.dtype).removeprefix("torch.")),
                           tuple(x.shape), str(x.device))
 

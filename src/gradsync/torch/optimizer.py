@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from .. import ops, runtime
-from ..handles import Handle
 from ..protocol import ReduceOp
 
 
@@ -18,43 +18,69 @@ class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
-                        gradient_predivide_factor: float) -> None:
+                        gradient_predivide_factor: float, sparse_as_dense: bool) -> None:
         self._gs_rank = runtime.get().rank
+        self._gs_size = runtime.get().size
+        self._gs_sparse_as_dense = sparse_as_dense
         self._gs_op = op
         self._gs_prescale = 1.0 / gradient_predivide_factor
         self._gs_postscale = gradient_predivide_factor
         self._gs_passes = backward_passes_per_step
         self._gs_names: dict[torch.Tensor, str] = {}
         self._gs_counts: dict[torch.Tensor, int] = {}
-        self._gs_handles: dict[torch.Tensor, Handle] = {}
+        self._gs_handles: dict[torch.Tensor, Callable[[], None]] = {}  # param -> wait for its grad
         self._gs_hooks = []
+        # The hooks hold the optimizer weakly, and go when it goes: a dropped DistributedOptimizer
+        # must not keep reducing gradients (nor keep its parameters from a new one).
+        self._gs_weak_hook = _weak_hook(weakref.ref(self))
+        weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
         self._gs_timeline = runtime.get().coordinator.timeline
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
+        for group in self.param_groups:
+            self._gs_check_owners(group)
         for group_index, group in enumerate(self.param_groups):
             self._gs_track(group, group_index)
 
     def _gs_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
+    def _gs_check_owners(self, group: dict) -> None:
+        """Refuse parameters that another live DistributedOptimizer already reduces: both would
+        allreduce the same gradient every step (a silent double count, or a name clash)."""
+        for index, param in enumerate(group["params"]):
+            owner = getattr(param, "_gradsync_owner", None)
+            other = owner() if owner is not None else None
+            if other is not None and other is not self and param.requires_grad:
+                name = self._gs_given_names.get(param) or other._gs_names.get(param, f"#{index}")
+                raise ValueError(
+                    f"gradsync: rank {self._gs_rank}: parameter {name!r} is already reduced by another "
+                    "DistributedOptimizer; each parameter may belong to one distributed optimizer. "
+                    "Give each optimizer disjoint parameters (one optimizer with several param groups "
+                    "also works)")
+
     def _gs_track(self, group: dict, group_index: int) -> None:
         for index, param in enumerate(group["params"]):
             if not param.requires_grad or param in self._gs_names:
                 continue
             name = self._gs_given_names.get(param, f"param.{group_index}.{index}")
+            param._gradsync_owner = weakref.ref(self)
             self._gs_names[param] = name
             self._gs_counts[param] = 0
-            self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_hook))
+            self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_weak_hook))
 
     def _gs_hook(self, param: torch.Tensor) -> None:
         name = self._gs_names[param]
         if param in self._gs_handles:
             raise RuntimeError(
                 f"gradsync: rank {self._gs_rank}: parameter {name!r} received a gradient after its "
-                f"allreduce had started: more backward passes ran before step() than "
-                f"backward_passes_per_step={self._gs_passes}. Raise backward_passes_per_step to the "
-                "number of backward passes you accumulate, or call step() in between.")
+                f"allreduce had started: more backward passes ran through it before step() than "
+                f"backward_passes_per_step={self._gs_passes}. If you accumulate gradients, raise "
+                "backward_passes_per_step to the number of backward passes per step. If another loss "
+                "flows back through this module (a GAN generator's loss through the discriminator), "
+                "stop it from producing gradients there: param.requires_grad_(False) on this module's "
+                "parameters during that backward, or detach its input.")
         if self._gs_timeline is not None:
             now = time.perf_counter_ns()
             self._gs_backward_ns = (self._gs_backward_ns[0] or now, now)
@@ -63,9 +89,32 @@ class _DistributedOptimizer:
             self._gs_submit(param)
 
     def _gs_submit(self, param: torch.Tensor) -> None:
-        self._gs_handles[param] = ops.allreduce_async_(
-            param.grad, name=f"grad.{self._gs_names[param]}", op=self._gs_op,
-            prescale_factor=self._gs_prescale, postscale_factor=self._gs_postscale)
+        name = f"grad.{self._gs_names[param]}"
+        if param.grad.layout != torch.strided:
+            if not self._gs_sparse_as_dense:
+                self._gs_handles[param] = self._gs_sparse_allgather(param, name)
+                return
+            param.grad = param.grad.to_dense()
+        handle = ops.allreduce_async_(param.grad, name=name, op=self._gs_op,
+                                      prescale_factor=self._gs_prescale,
+                                      postscale_factor=self._gs_postscale)
+        self._gs_handles[param] = functools.partial(ops.synchronize, handle)
+
+    def _gs_sparse_allgather(self, param: torch.Tensor, name: str) -> Callable[[], None]:
+        """Start the allgather of a sparse gradient's indices and values; the returned function
+        waits and sets param.grad to their sum over ranks (divided by size for Average)."""
+        grad = param.grad.coalesce()
+        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices")
+        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values")
+
+        def finish() -> None:
+            gathered = ops.synchronize(values)
+            if self._gs_op == ReduceOp.Average:
+                gathered = gathered / self._gs_size
+            param.grad = torch.sparse_coo_tensor(ops.synchronize(indices).t(), gathered,
+                                                 grad.shape, check_invariants=False).coalesce()
+
+        return finish
 
     def synchronize(self) -> None:
         """Wait until every gradient of this step is reduced, without stepping.
@@ -84,13 +133,13 @@ class _DistributedOptimizer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 self._gs_submit(param)
-        handles, self._gs_handles = self._gs_handles, {}
+        waits, self._gs_handles = self._gs_handles, {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
         if self._gs_backward_ns[0]:
             self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
             self._gs_backward_ns = (0, 0)
-        for handle in handles.values():
-            ops.synchronize(handle)
+        for wait in waits.values():
+            wait()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -135,15 +184,33 @@ class _DistributedOptimizer:
         """Add a param group (torch semantics); its parameters are reduced like the others."""
         super().add_param_group(param_group)
         if hasattr(self, "_gs_names"):
+            try:
+                self._gs_check_owners(self.param_groups[-1])
+            except ValueError:
+                self.param_groups.pop()
+                raise
             self._gs_track(self.param_groups[-1], len(self.param_groups) - 1)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state (torch semantics) after finishing any allreduce in flight."""
-        for handle in self._gs_handles.values():
-            ops.synchronize(handle)
+        for wait in self._gs_handles.values():
+            wait()
         self._gs_handles = {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
         super().load_state_dict(state_dict)
+
+
+def _weak_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._gs_hook(param)
+    return hook
+
+
+def _remove_hooks(hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 def _check_names(named_parameters, params: list[torch.Tensor], rank: int) -> dict:
@@ -173,7 +240,8 @@ def _distributed_class(cls: type) -> type:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
-                         gradient_predivide_factor: float = 1.0) -> torch.optim.Optimizer:
+                         gradient_predivide_factor: float = 1.0,
+                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
@@ -196,9 +264,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op: ``Average`` (default) or ``Sum`` across ranks.
         gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
             by f/size after it (to keep low-precision sums in range).
+        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are densified and
+            allreduced like the others. By default they are reduced by an allgather of their
+            indices and values, and ``param.grad`` becomes the coalesced sparse sum (divided by the
+            number of ranks for Average): cheaper when few rows are touched. A rank on which such
+            a parameter got no gradient in a step contributes dense zeros, which only matches the
+            others with ``sparse_as_dense=True``.
 
     Raises:
-        ValueError: duplicate names, optimizer parameters missing from ``named_parameters``,
+        ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
+            names, optimizer parameters missing from ``named_parameters``,
             ``backward_passes_per_step < 1``, a predivide factor with an op other than Average, an
             optimizer that is already distributed, or one whose ``step`` an LR scheduler created
             before wrapping has already replaced.
@@ -226,7 +301,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     optimizer.__class__ = _distributed_class(original)
     try:
         optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
-                                  float(gradient_predivide_factor))
+                                  float(gradient_predivide_factor), bool(sparse_as_dense))
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise
