@@ -30,6 +30,7 @@ from .ops import (
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    join,
     poll,
     synchronize,
 )
@@ -64,7 +65,7 @@ __all__ = [
     "cross_rank", "cross_size",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "allgather", "allgather_async", "allgather_object", "barrier", "synchronize", "poll",
+    "allgather", "allgather_async", "allgather_object", "barrier", "join", "synchronize", "poll",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
     "nccl_built", "nccl_version",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",

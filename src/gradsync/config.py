@@ -68,6 +68,12 @@ SETTINGS: tuple[Setting, ...] = (
         "with the stall report (StallError). 0: never; only the warning.",
     ),
     Setting(
+        "join_divisor", str, "size", "name",
+        "What Average divides by while some ranks have called join(): 'size' (the world size, as "
+        "Horovod and DDP's default divide_by_initial_world_size=True) or 'contributors' (the ranks "
+        "that have not joined).",
+    ),
+    Setting(
         "cache_capacity", int, 1024, "entries",
         "Response cache size. A collective seen before (same name, dtype, shape, op, ...) is negotiated "
         "with one bit in a small bitwise allreduce instead of a gather and broadcast of its description. "
@@ -110,6 +116,7 @@ class Config:
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0
+    join_divisor: str = "size"
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
     timeline: str = ""
@@ -145,6 +152,8 @@ class Config:
                 value = raw if isinstance(raw, bool) else setting.parse(str(raw))
             except ValueError as exc:
                 raise ValueError(f"{source}={raw!r} is not a valid {setting.unit} value: {exc}") from None
+            if setting.field == "join_divisor" and value not in ("size", "contributors"):
+                raise ValueError(f"{source}={raw!r} must be 'size' or 'contributors'")
             if isinstance(value, (int, float)) and value < 0:
                 raise ValueError(f"{source}={raw!r} must not be negative ({setting.unit})")
             values[setting.field] = value

@@ -127,6 +127,7 @@ class Coordinator:
         _check_same_everywhere(comm, config)
         self.negotiator = Negotiator(comm, config)
         self._pending: dict[str, Entry] = {}
+        self._join_divisor = config.join_divisor
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds)
         self._stall_clock = StallClock(config.stall_check_time_seconds,
                                        config.stall_shutdown_time_seconds)
@@ -163,7 +164,9 @@ class Coordinator:
                 for entry in entries:
                     self._pending[entry.request.name] = entry
                 started_ns = time.perf_counter_ns()
-                oldest = min((e.submitted_ns for e in self._pending.values()), default=None)
+                # join() waits for the other ranks by design: it is not a stall.
+                oldest = min((e.submitted_ns for e in self._pending.values()
+                              if e.request.kind != Kind.JOIN), default=None)
                 stall = self._stall_clock.due(None if oldest is None else oldest / 1e9, started_ns / 1e9)
                 reply = self.negotiator.cycle([e.request for e in entries], shutdown, stall,
                                               self._pending_ages)
@@ -194,7 +197,8 @@ class Coordinator:
 
     def _pending_ages(self) -> tuple[tuple[str, float], ...]:
         now = time.perf_counter_ns()
-        return tuple((name, (now - e.submitted_ns) / 1e9) for name, e in self._pending.items())
+        return tuple((name, (now - e.submitted_ns) / 1e9) for name, e in self._pending.items()
+                     if e.request.kind != Kind.JOIN)
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:
@@ -211,18 +215,25 @@ class Coordinator:
         self._pending.clear()
 
     def _execute(self, response: Response, replied_ns: int) -> None:
-        entries = [self._pending.pop(name) for name in response.names]
+        stand_ins = dict(zip(response.names, response.requests))
+        entries = [self._pending.pop(name, None) or _stand_in(stand_ins[name])
+                   for name in response.names]
         started_ns = time.perf_counter_ns()
         phases: list[tuple[str, int]] = []
         try:
             if response.error is not None:
                 raise CollectiveError(f"gradsync: rank {self.rank}: {response.error}")
             if response.kind == Kind.ALLREDUCE:
-                phases = self._allreduce(entries)
+                divisor = self.size
+                if self._join_divisor == "contributors" and response.contributors:
+                    divisor = response.contributors
+                phases = self._allreduce(entries, divisor)
             elif response.kind == Kind.BROADCAST:
                 phases = self._broadcast(entries[0])
             elif response.kind == Kind.ALLGATHER:
                 phases = self._allgather(entries[0], response.first_dims)
+            elif response.kind == Kind.JOIN:
+                entries[0].result = response.first_dims[0]  # the rank that joined last
             # BARRIER: negotiation itself proved that every rank arrived.
         except CollectiveError as exc:
             for entry in entries:
@@ -251,14 +262,14 @@ class Coordinator:
                 self.timeline.span(name, phase, begin, end, {"tensors": len(entries)})
                 begin = end
 
-    def _allreduce(self, entries: list[Entry]) -> list[tuple[str, int]]:
+    def _allreduce(self, entries: list[Entry], divisor: int) -> list[tuple[str, int]]:
         request = entries[0].request
         average = request.op == ReduceOp.Average
         accumulator = dtypes.accumulator(request.dtype, average)
         logical = request.dtype == "bool"
         integer_average = average and request.dtype in dtypes.INTEGER
-        scale = request.postscale / self.size if average and not integer_average else request.postscale
-        divisor = self.size if integer_average else 1
+        scale = request.postscale / divisor if average and not integer_average else request.postscale
+        divisor = divisor if integer_average else 1
         only = entries[0]
         if (len(entries) == 1 and only.target.dtype == accumulator
                 and only.target.flags.c_contiguous and only.target.flags.writeable):
@@ -312,10 +323,42 @@ class Coordinator:
 
 def _check_same_everywhere(comm, config: Config) -> None:
     """Settings that every rank must share (each rank plans cached fusion by itself)."""
-    mine = (config.fusion_threshold, config.cache_capacity)
+    mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor)
     everyone = comm.allgather(mine)
     if any(values != mine for values in everyone):
-        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}"
-                           for r, (t, c) in enumerate(everyone))
-        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD and GRADSYNC_CACHE_CAPACITY must be "
-                            f"the same on every rank; got {listed}")
+        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}"
+                           for r, (t, c, j) in enumerate(everyone))
+        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY and "
+                            f"GRADSYNC_JOIN_DIVISOR must be the same on every rank; got {listed}")
+
+
+_IDENTITY = {ReduceOp.Average: "zero", ReduceOp.Sum: "zero", ReduceOp.Product: "one",
+             ReduceOp.Min: "max", ReduceOp.Max: "min"}
+
+
+def _stand_in(request: Request) -> Entry:
+    """A joined rank's contribution to a collective it did not submit: for allreduce the identity of
+    the op (zeros for Sum/Average, ones for Product, the dtype's largest value for Min and smallest
+    for Max), for allgather no rows, for broadcast a buffer to receive into."""
+    dtype = dtypes.NUMPY_DTYPES[request.dtype]
+    shape = request.shape
+    if request.kind == Kind.ALLGATHER:
+        empty = np.empty((0,) + tuple(shape[1:]), dtype)
+
+        def allocate(full_shape):
+            out = np.empty(full_shape, dtype)
+            return out, out
+
+        return Entry(request, Handle(request.name), empty, None, None, allocate)
+    data = np.zeros(shape, dtype)
+    if request.kind == Kind.ALLREDUCE:
+        identity = _IDENTITY[request.op]
+        if identity == "one":
+            data[...] = 1
+        elif identity != "zero":
+            if request.dtype in dtypes.FLOATING:
+                data[...] = np.inf if identity == "max" else -np.inf
+            else:
+                info = np.iinfo(np.uint8 if request.dtype == "bool" else dtype)
+                data[...] = info.max if identity == "max" else info.min
+    return Entry(request, Handle(request.name), data, data, None)

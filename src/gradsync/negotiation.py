@@ -48,6 +48,7 @@ class MessageTable:
         self.inspector = inspector
         self._requests: dict[str, list[Request | None]] = {}
         self._first_seen: dict[str, float] = {}
+        self.joined: list[int] = []  # ranks that called join(), in the order they did
 
     def cycle(self, gathered: Iterable[RankMessage]) -> CycleReply:
         """Take one cycle's messages (one :class:`RankMessage` per rank, in rank order)."""
@@ -55,6 +56,7 @@ class MessageTable:
         shutdown_ranks = []
         messages = list(gathered)
         now = time.monotonic()
+        joined_before = list(self.joined)
         for rank, message in enumerate(messages):
             if message.shutdown:
                 shutdown_ranks.append(rank)
@@ -64,19 +66,35 @@ class MessageTable:
                     slots = self._requests[request.name] = [None] * self.size
                     self._first_seen[request.name] = now
                 slots[rank] = request
-                if all(slot is not None for slot in slots):
+                if request.kind == Kind.JOIN and rank not in self.joined:
+                    self.joined.append(rank)
+                if self._ready(slots):
                     ready.append(request.name)
+        if self.joined != joined_before:  # a join may complete what waited only for that rank
+            ready += [name for name, slots in self._requests.items()
+                      if name not in ready and self._ready(slots)]
         responses = self._responses(ready)
         stall_error = None
         if self.inspector is not None and any(m.stall for m in messages):
             stall_error = self._inspect(messages, now)
-        return CycleReply(responses, tuple(shutdown_ranks), stall_error=stall_error)
+        joined = tuple(self.joined) if self.joined != joined_before else None
+        return CycleReply(responses, tuple(shutdown_ranks), stall_error=stall_error, joined=joined)
+
+    def _ready(self, slots: list[Request | None]) -> bool:
+        """Every rank submitted it; ranks that joined count as submitted, except for join itself."""
+        present = [slot is not None for slot in slots]
+        if all(present):
+            return True
+        kind = next(slot.kind for slot in slots if slot is not None)
+        return kind != Kind.JOIN and all(p or r in self.joined for r, p in enumerate(present))
 
     def _inspect(self, messages: list[RankMessage], now: float) -> str | None:
         """Log the stall report; return it if every rank must shut down with it."""
         submitted: dict[str, set[int]] = {}
         ages: dict[str, float] = {}
         for name, slots in self._requests.items():
+            if any(slot is not None and slot.kind == Kind.JOIN for slot in slots):
+                continue  # join() waits for the other ranks by design
             submitted[name] = {r for r, slot in enumerate(slots) if slot is not None}
             ages[name] = now - self._first_seen[name]
         for rank, message in enumerate(messages):
@@ -96,45 +114,58 @@ class MessageTable:
     def _responses(self, ready: list[str]) -> tuple[Response, ...]:
         responses: list[Response] = []
         allreduces: list[Request] = []
+        joined = set(self.joined)
+        representative: dict[str, Request] = {}
         for name in ready:
-            requests = self._requests.pop(name)
+            slots = self._requests.pop(name)
             del self._first_seen[name]
-            error = _disagreement(requests)
-            first = requests[0]
+            first = representative[name] = next(slot for slot in slots if slot is not None)
+            error = _disagreement(slots)
+            if error is None and first.kind == Kind.BROADCAST and first.root in joined:
+                error = (f"broadcast {name!r}: its root rank {first.root} has called join() and "
+                         "cannot broadcast")
             if error is not None:
                 responses.append(Response(first.kind, (name,), error=error))
             elif first.kind == Kind.ALLREDUCE:
                 allreduces.append(first)
             elif first.kind == Kind.ALLGATHER:
-                responses.append(Response(first.kind, (name,),
-                                          first_dims=tuple(r.shape[0] for r in requests)))
+                dims = tuple(0 if slot is None else slot.shape[0] for slot in slots)
+                responses.append(Response(first.kind, (name,), first_dims=dims))
+            elif first.kind == Kind.JOIN:
+                responses.append(Response(first.kind, (name,), first_dims=(self.joined[-1],)))
+                self.joined = []
+                joined = set()
             else:
                 responses.append(Response(first.kind, (name,)))
         responses.extend(fusion.plan_allreduce(allreduces, self.fusion_threshold))
+        if joined:  # joined ranks need each request to stand in for it
+            responses = [r._replace(requests=tuple(representative[n] for n in r.names),
+                                    contributors=self.size - len(joined))
+                         if r.kind != Kind.JOIN else r for r in responses]
         return tuple(responses)
 
-
-def _disagreement(requests: list[Request]) -> str | None:
-    """An error message if the ranks' requests for one name disagree, else None."""
-    first = requests[0]
+def _disagreement(slots: list[Request | None]) -> str | None:
+    """An error message if the ranks' requests for one name disagree, else None (ranks that
+    joined and did not submit it are left out)."""
+    present = [(rank, r) for rank, r in enumerate(slots) if r is not None]
+    first = present[0][1]
     kind = first.kind.name.lower()
     for field, word in _AGREED_FIELDS:
-        values = [getattr(r, field) for r in requests]
-        if any(v != values[0] for v in values):
+        values = [(rank, getattr(r, field)) for rank, r in present]
+        if any(v != values[0][1] for _, v in values):
             return _mismatch(kind, first.name, word, values)
-    shapes = [r.shape for r in requests]
+    shapes = [(rank, r.shape) for rank, r in present]
     if first.kind == Kind.ALLGATHER:
-        trailing = [s[1:] for s in shapes]
-        if any(len(s) == 0 for s in shapes) or any(t != trailing[0] for t in trailing):
+        if any(len(s) == 0 for _, s in shapes) or any(s[1:] != shapes[0][1][1:] for _, s in shapes):
             return _mismatch(kind, first.name, "shape (all but the first dimension must match)",
                              shapes)
-    elif any(s != shapes[0] for s in shapes):
+    elif any(s != shapes[0][1] for _, s in shapes):
         return _mismatch(kind, first.name, "shape", shapes)
     return None
 
 
-def _mismatch(kind: str, name: str, word: str, values: list) -> str:
-    listed = ", ".join(f"rank {rank}: {_show(v)}" for rank, v in enumerate(values))
+def _mismatch(kind: str, name: str, word: str, values: list[tuple[int, object]]) -> str:
+    listed = ", ".join(f"rank {rank}: {_show(v)}" for rank, v in values)
     return f"{kind} {name!r}: ranks disagree on {word}: {listed}"
 
 
@@ -165,6 +196,8 @@ class Negotiator:
         self._ready_bits = 0  # cached requests ready on this rank, waiting for the others
         self._waiting: dict[int, Request] = {}  # bit -> this rank's request behind it
         self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
+        self.size = comm.Get_size()
+        self.joined: frozenset[int] = frozenset()  # the same on every rank: changed by full replies
         self.full_cycles = self.cached_cycles = 0
 
     def cycle(self, requests: list[Request], shutdown: bool, stall: bool = False,
@@ -224,7 +257,9 @@ class Negotiator:
         """One AND allreduce: [ready bits | inverted invalid bits | inverted flags]."""
         words = self._words
         vector = self._vector
-        vector[:words] = np.frombuffer(bits_to_words(self._ready_bits, words), np.uint64)
+        # A joined rank stands in for every cached collective: the others alone decide what is ready.
+        ready_bits = self._all_ones if self.rank in self.joined else self._ready_bits
+        vector[:words] = np.frombuffer(bits_to_words(ready_bits, words), np.uint64)
         vector[words:2 * words] = np.frombuffer(bits_to_words(self._all_ones ^ invalid, words), np.uint64)
         flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
                  | (_STALL_FLAG if stall else 0))
@@ -240,13 +275,18 @@ class Negotiator:
         responses: list[Response] = []
         allreduces: list[Request] = []
         for bit in iter_bits(ready):
-            request = self._waiting.pop(bit)
+            # A joined rank has no request of its own: the cached signature stands in for it.
+            request = self._waiting.pop(bit, None) or self.cache.request(bit)
             self._ready_bits &= ~(1 << bit)
             if request.kind == Kind.ALLREDUCE:
                 allreduces.append(request)
             else:
-                responses.append(Response(request.kind, (request.name,)))
-        responses.extend(fusion.plan_allreduce(allreduces, self.fusion_threshold))
+                responses.append(Response(request.kind, (request.name,), requests=(request,)))
+        by_name = {r.name: r for r in allreduces}
+        responses += [r._replace(requests=tuple(by_name[n] for n in r.names))
+                      for r in fusion.plan_allreduce(allreduces, self.fusion_threshold)]
+        if self.joined:
+            responses = [r._replace(contributors=self.size - len(self.joined)) for r in responses]
         return responses
 
     def _full(self, message: RankMessage) -> CycleReply:
@@ -256,6 +296,8 @@ class Negotiator:
             reply = self.table.cycle(gathered)._replace(settings=self._proposal)
             self._proposal = None
         reply = self.comm.bcast(reply, root=0)
+        if reply.joined is not None:
+            self.joined = frozenset(reply.joined)
         if reply.settings is not None:  # applies from the next cycle on, on every rank alike
             self.fusion_threshold, self.cycle_time = reply.settings
             if self.table is not None:

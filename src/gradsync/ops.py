@@ -222,6 +222,31 @@ def barrier(name: str | None = None) -> None:
     synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
 
 
+def join() -> int:
+    """Declare that this rank has no more data; block until every rank has joined.
+
+    Until then this rank keeps taking part in the other ranks' collectives without submitting any:
+    its contribution to an allreduce is the identity of the op (zeros for Sum and Average, so
+    gradients of ranks that ran out of data count as zero), to an allgather no rows; it cannot be
+    the root of a broadcast (that broadcast fails with CollectiveError). ``Average`` divides by the
+    world size, as Horovod and DDP (``divide_by_initial_world_size=True``) do; set
+    ``GRADSYNC_JOIN_DIVISOR=contributors`` to divide by the ranks that have not joined instead.
+    Same semantics as ``horovod.torch.join()``; use it for uneven inputs (ranks with different
+    numbers of batches). Every rank must call it, the same number of times.
+
+    Returns:
+        The rank that joined last (the same on every rank).
+
+    Raises:
+        NotInitializedError: before ``init()``. ShutdownError, StallError: gradsync stopped meanwhile.
+    """
+    rt = runtime.get()
+    name = _name(rt, None, "join")
+    request = Request(name, Kind.JOIN, rt.rank, "uint8", ())
+    empty = np.empty(0, np.uint8)
+    return synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+
+
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
     """Broadcast any picklable object from ``root_rank``; returns the root's object on every rank.
 

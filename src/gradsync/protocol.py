@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
     BROADCAST = 1
     ALLGATHER = 2
     BARRIER = 3
+    JOIN = 4
 
 
 class Request(NamedTuple):
@@ -63,13 +64,18 @@ class Response(NamedTuple):
 
     ``names`` holds one tensor, or several fused into one buffer (allreduce only). ``error`` set means
     the collective fails on every rank with that message. ``first_dims`` is, for allgather, the first
-    dimension each rank contributes (index = rank).
+    dimension each rank contributes (index = rank); for join, the rank that joined last.
+    While some ranks have joined (:func:`gradsync.join`), ``requests`` carries the request behind
+    each name, from which a joined rank builds its stand-in contribution, and ``contributors``
+    the number of ranks that submitted (0: all of them).
     """
 
     kind: Kind
     names: tuple[str, ...]
     error: str | None = None
     first_dims: tuple[int, ...] = ()
+    requests: tuple[Request, ...] = ()
+    contributors: int = 0
 
 
 class RankMessage(NamedTuple):
@@ -94,3 +100,4 @@ class CycleReply(NamedTuple):
     shutdown_ranks: tuple[int, ...] = ()
     settings: tuple[int, float] | None = None
     stall_error: str | None = None
+    joined: tuple[int, ...] | None = None  # the ranks joined from now on, when that changed
