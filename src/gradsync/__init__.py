@@ -13,6 +13,13 @@ adapter is imported when one of its names is first used.
 
 from __future__ import annotations
 
+import os as _os
+
+# Open MPI busy-polls in blocking calls unless told to yield; the coordinator waits in them while the
+# training thread needs the core (PERF-NOTES.md fact 1). It must be in the environment before MPI
+# initialises, which happens when a gradsync module first imports mpi4py.MPI: so, here, first.
+_os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
 from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
 from .handles import Handle
 from .nccl import nccl_built, nccl_version

@@ -11,8 +11,12 @@ import atexit
 import dataclasses
 import logging
 import os
+import shutil
+import sys
+from collections.abc import Mapping
 from typing import Any
 
+from .backends.mpi import MpiBackend
 from .config import Config
 from .coordinator import Coordinator
 from .errors import GradsyncError, NotInitializedError
@@ -22,29 +26,84 @@ log = logging.getLogger("gradsync")
 
 @dataclasses.dataclass(frozen=True)
 class Launcher:
-    """The launcher found in the environment and the number of processes it says it started."""
+    """The launcher found in the environment and the number of processes it says it started.
+
+    ``kind`` is ``"mpiexec"`` (mpirun/mpiexec of some MPI), ``"srun"`` (a SLURM job step) or
+    ``"none"`` (a plain process); ``name`` says which launcher in words.
+    """
 
     name: str
     expected_size: int | None
+    kind: str = "none"
 
 
-def detect_launcher(environ: dict[str, str] | None = None) -> Launcher:
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
     """Which launcher started this process, from its environment variables.
 
-    Recognises Open MPI's ``mpirun`` (OMPI_COMM_WORLD_SIZE), PMI launchers such as MPICH's Hydra
-    ``mpiexec`` and ``srun --mpi=pmi2`` (PMI_SIZE), and SLURM ``srun`` job steps
-    (SLURM_STEP_NUM_TASKS). Returns ``Launcher("none", None)`` for a plain process.
+    Recognises Open MPI's ``mpirun`` (OMPI_COMM_WORLD_SIZE), Hydra's ``mpiexec`` (MPICH, Intel
+    MPI: PMI_SIZE with MPI_LOCALNRANKS), and SLURM ``srun`` job steps (SLURM_STEP_NUM_TASKS) with
+    the PMI plugin it used (pmi2: PMI_SIZE, pmix: PMIX_RANK, or none). A SLURM batch script
+    itself (SLURM_NTASKS without a job step) counts as a plain process: only srun starts tasks.
+    Returns ``Launcher("none", None)`` for a plain process.
     """
     env = os.environ if environ is None else environ
-    for variable, name in (("OMPI_COMM_WORLD_SIZE", "Open MPI mpirun/mpiexec"),
-                           ("PMI_SIZE", "PMI (MPICH mpiexec or srun --mpi=pmi2)"),
-                           ("SLURM_STEP_NUM_TASKS", "SLURM srun")):
-        if variable in env:
-            try:
-                return Launcher(name, int(env[variable]))
-            except ValueError:
-                continue
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return Launcher("Open MPI mpirun/mpiexec", _int_or_none(env["OMPI_COMM_WORLD_SIZE"]),
+                        "mpiexec")
+    in_srun_step = "SLURM_STEP_NUM_TASKS" in env
+    if "PMI_SIZE" in env:
+        # Hydra also runs under SLURM (its proxies are srun tasks); it sets MPI_LOCALNRANKS, srun not.
+        if in_srun_step and "MPI_LOCALNRANKS" not in env:
+            return Launcher("srun --mpi=pmi2", _int_or_none(env["PMI_SIZE"]), "srun")
+        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", _int_or_none(env["PMI_SIZE"]), "mpiexec")
+    if in_srun_step:
+        plugin = "--mpi=pmix" if "PMIX_RANK" in env else "without a PMI plugin (--mpi=none)"
+        return Launcher(f"srun {plugin}", _int_or_none(env["SLURM_STEP_NUM_TASKS"]), "srun")
     return Launcher("none", None)
+
+
+def launcher_mismatch(launcher: Launcher, world_size: int,
+                      vendor: tuple[str, tuple[int, ...]]) -> str | None:
+    """The error message when the launcher started several processes but MPI sees a world of 1.
+
+    That happens when the launcher and the MPI library do not speak the same process-management
+    interface (Open MPI under ``srun --mpi=pmi2``, any MPI under ``srun --mpi=none``, one MPI's
+    mpiexec starting a program linked to another): every process initialises MPI alone and would
+    train alone. ``vendor`` is ``MPI.get_vendor()``, e.g. ``("Open MPI", (5, 0, 11))``. Returns None
+    when there is no such mismatch.
+    """
+    expected = launcher.expected_size
+    if expected is None or expected <= 1 or world_size != 1:
+        return None
+    name, version = vendor
+    problem = (f"gradsync: {launcher.name} started {expected} processes, but MPI "
+               f"({name} {'.'.join(map(str, version))}) sees a world of 1 in each: every process "
+               "would train alone. ")
+    if launcher.kind == "srun":
+        plugin, others = (("pmix", "MPICH and Intel MPI use --mpi=pmi2") if name == "Open MPI"
+                          else ("pmi2", "Open MPI uses --mpi=pmix"))
+        return problem + (f"Start it with `srun --mpi={plugin}`, the plugin for {name} ({others}; "
+                          "`srun --mpi=list` lists this SLURM's plugins).")
+    beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    where = f" ({beside})" if beside else ""
+    return problem + (
+        f"The launcher belongs to another MPI: launch with the mpiexec of {name}{where}, "
+        f"e.g. `mpiexec -n {expected} python ...`.")
+
+
+def _warn_if_batch_script_without_srun(launcher: Launcher, world_size: int) -> None:
+    tasks = _int_or_none(os.environ.get("SLURM_NTASKS", ""))
+    if launcher.kind == "none" and world_size == 1 and tasks is not None and tasks > 1:
+        log.warning("gradsync: SLURM allocated %d tasks (SLURM_NTASKS) but this process was not "
+                    "started by srun, so it trains alone; start it with `srun --mpi=pmix` (Open "
+                    "MPI) or `srun --mpi=pmi2` (MPICH) in the job script", tasks)
 
 
 class Runtime:
@@ -58,15 +117,30 @@ class Runtime:
         self.launcher = detect_launcher()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
+        # Topology: the ranks sharing this host's memory, and the ranks of equal local rank.
         local = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         cross = world.Split(color=self.local_rank, key=self.rank)
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
-        local.Free()
-        cross.Free()
         self.comm = world.Dup()  # the coordinator's own communicator: no other thread uses it
+        self.backend = self._data_backend(local, cross)
         self._unnamed: dict[str, int] = {}
-        self.coordinator = Coordinator(self.comm, config)
+        self.coordinator = Coordinator(self.comm, config, backend=self.backend)
+        log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
+                  self.local_rank, self.local_size, self.cross_rank, self.cross_size,
+                  self.backend.describe())
+
+    def _data_backend(self, local, cross) -> MpiBackend:
+        """The coordinator's data mover. A hierarchical allreduce keeps ``local`` and, on local rank
+        0, ``cross``: from here on only the coordinator thread uses them, and shutdown frees them."""
+        if not self.config.hierarchical_allreduce:
+            local.Free()
+            cross.Free()
+            return MpiBackend(self.comm)
+        if self.local_rank != 0:
+            cross.Free()
+            cross = None
+        return MpiBackend(self.comm, local=local, cross=cross)
 
     def auto_name(self, kind: str) -> str:
         """A name for an unnamed collective: the kind and how many unnamed ones of it came before."""
@@ -102,10 +176,7 @@ def init(comm: Any = None, **settings: Any) -> None:
     if _runtime is not None and _runtime.pid == os.getpid():
         return
     config = Config.resolve(settings)
-    logging.getLogger("gradsync").setLevel(config.log_level.upper())
-    # Open MPI busy-polls in blocking calls unless told to yield; the coordinator waits in them
-    # while the training thread needs the core (PERF-NOTES.md fact 1). Must precede MPI_Init.
-    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    _configure_logging(config.log_level)
     from mpi4py import MPI
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -115,18 +186,38 @@ def init(comm: Any = None, **settings: Any) -> None:
             "mpi4py.rc.thread_level, or initialise MPI with MPI_THREAD_MULTIPLE")
     world = MPI.COMM_WORLD if comm is None else comm
     launcher = detect_launcher()
-    if comm is None and launcher.expected_size not in (None, world.Get_size()):
-        raise GradsyncError(
-            f"gradsync: the launcher ({launcher.name}) started {launcher.expected_size} processes "
-            f"but MPI sees a world of {world.Get_size()}: every process would train alone. The MPI "
-            "library and the launcher do not match: with srun use --mpi=pmix for Open MPI and "
-            "--mpi=pmi2 for MPICH; with mpiexec use the one installed with your mpi4py's MPI "
-            f"({MPI.Get_library_version().splitlines()[0].strip()}).")
+    if comm is None:
+        mismatch = launcher_mismatch(launcher, world.Get_size(), MPI.get_vendor())
+        if mismatch:
+            raise GradsyncError(mismatch)
+        _warn_if_batch_script_without_srun(launcher, world.Get_size())
     _runtime = Runtime(config, world)
     atexit.unregister(shutdown)
     atexit.register(shutdown)
     log.debug("gradsync: rank %d of %d initialised (%s)", _runtime.rank, _runtime.size,
               launcher.name)
+
+
+class _RankFilter(logging.Filter):
+    """Puts this process's rank (or '?' before init) into every record, for the default handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.gradsync_rank = _runtime.rank if _runtime is not None else "?"
+        return True
+
+
+def _configure_logging(level: str) -> None:
+    """Set the gradsync logger's level; give it a stderr handler with the rank if nobody configured
+    logging (otherwise INFO and DEBUG messages would go nowhere)."""
+    logger = logging.getLogger("gradsync")
+    logger.setLevel(level.upper())
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.addFilter(_RankFilter())
+        handler.setFormatter(logging.Formatter("[gradsync rank %(gradsync_rank)s] %(levelname)s: "
+                                               "%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def shutdown() -> None:
@@ -141,6 +232,7 @@ def shutdown() -> None:
     if runtime is None or runtime.pid != os.getpid():
         return
     if runtime.coordinator.shutdown(runtime.config.shutdown_timeout):
+        runtime.backend.close()
         runtime.comm.Free()
     else:
         log.warning("gradsync: rank %d: the other ranks did not reach shutdown within %.0f s; "

@@ -1,7 +1,12 @@
-"""The MPI backend: collectives on host (numpy) buffers over the coordinator's own communicator.
+"""The MPI backend: collectives on host (numpy) buffers over the coordinator's own communicators.
 
 Only the coordinator thread calls it. Every call is a blocking MPI collective; mpi4py releases the
 GIL while it waits, so the training thread keeps running (PERF-NOTES.md, facts 1 and 2).
+
+Allreduce is flat (one ``MPI_Allreduce`` over all ranks) or, given the host topology, hierarchical:
+reduce onto local rank 0 over shared memory, allreduce among the hosts' local rank 0 processes over
+the network, broadcast back within each host. Both give the same result; the hierarchical one sends
+one buffer per host across the network instead of one per rank.
 """
 
 from __future__ import annotations
@@ -28,15 +33,58 @@ _BOOL_OPS = {
 
 
 class MpiBackend:
-    """Blocking collectives on contiguous numpy buffers, same semantics as the MPI calls they wrap."""
+    """Blocking collectives on contiguous numpy buffers, same semantics as the MPI calls they wrap.
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    Args:
+        comm: the communicator of all ranks (broadcast, allgather, flat allreduce).
+        local: the ranks on this host (an ``MPI.COMM_TYPE_SHARED`` split of ``comm``, local rank 0
+            first). Given, allreduce is hierarchical.
+        cross: on local rank 0 only, the local rank 0 processes of all hosts; None elsewhere.
+
+    The backend owns ``local`` and ``cross`` (``close()`` frees them); ``comm`` stays the caller's.
+    """
+
+    def __init__(self, comm: MPI.Comm, local: MPI.Comm | None = None,
+                 cross: MPI.Comm | None = None) -> None:
         self.comm = comm
+        self.local = local
+        self.cross = cross
+        self._local_root = local is not None and local.Get_rank() == 0
+        if self._local_root and cross is None:
+            raise ValueError("MpiBackend: local rank 0 needs the cross communicator")
+        # Sizes read once here, so that describe() never calls MPI from another thread.
+        self._local_size = local.Get_size() if local is not None else 1
+        self._cross_size = cross.Get_size() if cross is not None else None
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.local is not None
+
+    def describe(self) -> str:
+        """How allreduce moves data, in words (for logs and ``python -m gradsync.check``)."""
+        if not self.hierarchical:
+            return "flat (one MPI_Allreduce over all ranks)"
+        return (f"hierarchical (reduce within the host, {self._local_size} ranks here; allreduce "
+                "among the hosts' local rank 0 processes; broadcast within the host)")
 
     def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False) -> None:
-        """In-place MPI_Allreduce of the contiguous ``buffer``; ``logical`` for 0/1 bool data."""
+        """In-place allreduce of the contiguous ``buffer``; ``logical`` for 0/1 bool data."""
         mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
-        self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
+        if self.local is None:
+            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
+        else:
+            self._hierarchical_allreduce(buffer, mpi_op)
+
+    def _hierarchical_allreduce(self, buffer: np.ndarray, mpi_op: MPI.Op) -> None:
+        if self._local_size > 1:
+            if self._local_root:
+                self.local.Reduce(MPI.IN_PLACE, buffer, op=mpi_op, root=0)
+            else:
+                self.local.Reduce(buffer, None, op=mpi_op, root=0)
+        if self._local_root and self._cross_size > 1:
+            self.cross.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
+        if self._local_size > 1:
+            self.local.Bcast(buffer.reshape(-1).view(np.uint8), root=0)
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
         """In-place MPI_Bcast of the contiguous ``buffer``'s bytes from ``root``."""
@@ -47,3 +95,10 @@ class MpiBackend:
         displacements = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         self.comm.Allgatherv(send.reshape(-1).view(np.uint8),
                              [recv.reshape(-1).view(np.uint8), (counts, displacements), MPI.BYTE])
+
+    def close(self) -> None:
+        """Free the topology communicators this backend owns (after the coordinator stopped)."""
+        for comm in (self.local, self.cross):
+            if comm is not None:
+                comm.Free()
+        self.local = self.cross = None

@@ -1,0 +1,103 @@
+"""gradsync under a real single-node SLURM: srun with the right and a wrong --mpi plugin, and sbatch.
+
+The plugin follows the MPI that mpi4py loads here: ``--mpi=pmix`` for Open MPI, ``--mpi=pmi2`` for
+MPICH (CI runs this module under both). As root, the module starts SLURM when it is not up
+(scripts/slurm_up.sh, which installs it with apt when missing) and stops the daemons it started.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import right_plugin, sbatch, srun, start_slurm, stop_slurm, wrong_plugins
+from mpi_launch import REPO, WORKERS, flavour
+
+pytestmark = pytest.mark.mpi
+DOCS = REPO / "docs" / "launching.md"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm():
+    started = start_slurm()
+    yield
+    if started:
+        stop_slurm()
+
+
+def topology(output: str) -> dict[int, dict[str, str]]:
+    """rank -> the fields of its ``topology ...`` line (tests/workers/topology_check.py)."""
+    rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in output.splitlines()
+            if line.startswith("topology ")]
+    return {int(row["rank"]): row for row in rows}
+
+
+def test_srun_ranks_and_local_ranks_are_slurms_task_ids():
+    out = srun(right_plugin(), 2, "topology_check.py").stdout
+    rows = topology(out)
+    assert sorted(rows) == [0, 1], out
+    for rank, row in rows.items():
+        assert row["size"] == "2" and row["launcher"] == f"srun_--mpi={right_plugin()}", out
+        assert row["slurm_procid"] == str(rank) and row["local"] == f"{row['slurm_localid']}/2", out
+        assert row["cross"] == "0/1", out
+
+
+def test_srun_training_equals_single_process_training():
+    out = srun(right_plugin(), 2, "train_equivalence.py", timeout=180).stdout
+    assert out.count("EQUIVALENT") == 2, out
+
+
+@pytest.mark.parametrize("plugin", ["pmi2", "none"])
+def test_a_wrong_plugin_stops_init_with_the_mismatch_and_the_fix(plugin):
+    if plugin not in wrong_plugins():
+        pytest.skip(f"--mpi={plugin} is the right plugin for {flavour()}")
+    result = srun(plugin, 2, "init_only.py", check=False)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("GradsyncError: ")]
+    assert result.returncode != 0 and len(errors) == 2, result.stdout
+    launcher = "srun --mpi=pmi2" if plugin == "pmi2" else "srun without a PMI plugin (--mpi=none)"
+    assert f"{launcher} started 2 processes" in errors[0], errors[0]
+    assert "sees a world of 1 in each: every process would train alone" in errors[0]
+    assert f"Start it with `srun --mpi={right_plugin()}`" in errors[0]
+    assert "initialised" not in result.stdout
+
+
+def test_the_self_check_passes_under_srun():
+    out = srun(right_plugin(), 2, "-m", "gradsync.check", timeout=120).stdout
+    assert f"launcher       srun --mpi={right_plugin()}, started 2 processes; MPI world size 2" in out
+    assert "ranks 0-1, local_rank 0-1 of 2, cross_rank 0" in out
+    assert out.count("PASS") == 1, out
+
+
+def test_the_self_check_fails_under_a_wrong_plugin_and_says_why():
+    wrong = wrong_plugins()[0]
+    result = srun(wrong, 2, "-m", "gradsync.check", check=False)
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL: ")]
+    assert result.returncode != 0 and len(fails) == 2, result.stdout
+    assert f"Start it with `srun --mpi={right_plugin()}`" in fails[0]
+    assert "PASS" not in result.stdout
+
+
+def docs_sbatch_template() -> str:
+    text = DOCS.read_text()
+    block = text.split("<!-- sbatch-template -->\n")[1].split("<!-- /sbatch-template -->")[0]
+    return block.split("```sh\n")[1].split("```")[0]
+
+
+def test_the_sbatch_script_from_the_docs_trains_like_a_single_process(tmp_path: Path):
+    template = docs_sbatch_template()
+    program = "srun --mpi=pmix .venv/bin/python train.py"
+    assert program in template, "docs/launching.md's sbatch template changed: update this test"
+    script = tmp_path / "train.sbatch"
+    script.write_text(template.replace(
+        program, f"srun --mpi={right_plugin()} {sys.executable} {WORKERS / 'train_equivalence.py'}"))
+    # One node of this machine instead of the template's two; everything else as written.
+    job_id, record = sbatch(script, "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                            "--time=5", timeout=240)
+    output = tmp_path / f"train-{job_id}.out"  # the template's --output=%x-%j.out
+    text = output.read_text() if output.exists() else f"(no {output.name})"
+    assert record.get("JobState") == "COMPLETED" and record.get("ExitCode") == "0:0", \
+        f"{record}\n{text}"
+    assert text.count("EQUIVALENT") == 2, text
