@@ -28,24 +28,27 @@ import time
 
 
 class CycleCounter:
-    """Counts the coordinator's negotiation cycles (see the module docstring)."""
+    """Counts the coordinator's negotiation cycles and the time spent in them (Negotiator.cycle:
+    cache lookups, the exchange with the other ranks, including waiting for them, and building the
+    responses; not the data movement)."""
 
     def __init__(self) -> None:
         from gradsync import runtime
 
-        self.count: int | None = None
-        queue = getattr(runtime.get().coordinator, "queue", None)
-        wait = getattr(queue, "wait", None)
-        if wait is None:
-            return
         self.count = 0
+        self.seconds = 0.0
+        negotiator = runtime.get().coordinator.negotiator
+        cycle = negotiator.cycle
 
-        def counting_wait(*args, **kwargs):
-            result = wait(*args, **kwargs)
-            self.count += 1
-            return result
+        def timed_cycle(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return cycle(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.count += 1
 
-        queue.wait = counting_wait
+        negotiator.cycle = timed_cycle
 
 
 def measure(tensor_counts: list[int], rounds: int, warmup: int, budget: float) -> None:
@@ -76,20 +79,63 @@ def measure(tensor_counts: list[int], rounds: int, warmup: int, budget: float) -
         probe = time.perf_counter() - start
         count = world.bcast(max(5, min(rounds, int(budget / probe))), root=0)
         times, cycles = [], []
+        cycles_before, seconds_before = counter.count, counter.seconds
         for _ in range(count):
             world.Barrier()
             before = counter.count
             start = time.perf_counter()
             one_round()
             times.append(time.perf_counter() - start)
-            cycles.append(None if before is None else counter.count - before)
+            cycles.append(counter.count - before)
+        spent = (counter.seconds - seconds_before) / max(counter.count - cycles_before, 1)
         gathered = world.gather(times, root=0)
         if world.Get_rank() == 0:
             median = statistics.median(max(per_rank) for per_rank in zip(*gathered))
-            per_round = "n/a" if cycles[0] is None else f"{statistics.median(cycles):g}"
             print(f"tensors={n} rounds={count} ms_per_round={median * 1e3:.4f} "
-                  f"cycles_per_round={per_round}", flush=True)
+                  f"cycles_per_round={statistics.median(cycles):g} "
+                  f"negotiate_us_per_cycle={spent * 1e6:.2f}", flush=True)
     gradsync.shutdown()
+
+
+def direct(tensor_counts: list[int], iterations: int) -> None:
+    """The negotiation alone, without the coordinator thread or data movement: every rank calls
+    Negotiator.cycle() on the same N requests in lockstep (a barrier before each cycle), with the
+    response cache primed (steady state) and without it. Prints the median µs per cycle."""
+    import dataclasses
+
+    from mpi4py import MPI
+
+    from gradsync.config import Config
+    from gradsync.negotiation import Negotiator
+    from gradsync.protocol import Kind, ReduceOp, Request
+
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    rank = world.Get_rank()
+    for n in tensor_counts:
+        requests = [Request(f"direct.{n}.{i}", Kind.ALLREDUCE, rank, "float32", (4,), ReduceOp.Sum)
+                    for i in range(n)]
+        results = {}
+        for mode, capacity in (("on", 1024), ("off", 0)):
+            config = dataclasses.replace(Config(), cache_capacity=max(capacity, 0),
+                                         stall_check_time_seconds=0)
+            negotiator = Negotiator(comm, config)
+            times = []
+            for i in range(iterations + 5):
+                world.Barrier()
+                start = time.perf_counter()
+                reply = negotiator.cycle(list(requests), False)
+                elapsed = time.perf_counter() - start
+                for response in reply.responses:  # what the coordinator does after executing
+                    for name in response.names:
+                        negotiator.completed(requests[int(name.rsplit(".", 1)[1])])
+                if i >= 5:
+                    times.append(elapsed)
+            results[mode] = statistics.median(max(t) for t in zip(*world.allgather(times)))
+        if rank == 0:
+            print(f"direct tensors={n} cache_on_us_per_cycle={results['on'] * 1e6:.1f} "
+                  f"cache_off_us_per_cycle={results['off'] * 1e6:.1f}", flush=True)
+    comm.Free()
 
 
 def parse_line(line: str) -> dict[str, str]:
@@ -106,6 +152,7 @@ def compare(ranks: int, repeats: int, tensors: str, rounds: int, budget: float, 
     counts = [int(t) for t in tensors.split(",")]
     ms: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in counts}
     cycles: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in counts}
+    negotiate: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in counts}
     capacity = {}
     for _ in range(repeats):
         for mode, env in modes.items():
@@ -119,8 +166,8 @@ def compare(ranks: int, repeats: int, tensors: str, rounds: int, budget: float, 
             capacity[mode] = next(x["cache_capacity"] for x in lines if "cache_capacity" in x)
             for x in results:
                 ms[mode, int(x["tensors"])].append(float(x["ms_per_round"]))
-                if x["cycles_per_round"] != "n/a":
-                    cycles[mode, int(x["tensors"])].append(float(x["cycles_per_round"]))
+                cycles[mode, int(x["tensors"])].append(float(x["cycles_per_round"]))
+                negotiate[mode, int(x["tensors"])].append(float(x["negotiate_us_per_cycle"]))
     print(f"\n{ranks} ranks, 4-element float32 Sum allreduces, median of {repeats} launches; cache "
           f"on: cache_capacity={capacity['on']}, off: cache_capacity={capacity['off']}")
     print(f"{'tensors':>7s} {'on ms/round':>12s} {'off ms/round':>12s} {'off/on':>7s} "
@@ -135,7 +182,7 @@ def compare(ranks: int, repeats: int, tensors: str, rounds: int, budget: float, 
             row |= {f"cache_{mode}_ms_per_round": round(median, 4),
                     f"cache_{mode}_us_per_tensor": round(median * 1e3 / n, 3),
                     f"cache_{mode}_cycles_per_round": "" if cyc is None else cyc,
-                    f"cache_{mode}_us_per_cycle": "" if not cyc else round(median * 1e3 / cyc, 2)}
+                    f"cache_{mode}_us_per_cycle": round(statistics.median(negotiate[mode, n]), 2)}
         rows.append(row)
 
         def shown(value, width, digits):
@@ -167,8 +214,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--csv", type=str, default=None, help="--compare: also write the table here")
+    parser.add_argument("--direct", action="store_true",
+                        help="time Negotiator.cycle alone, in lockstep, cache on and off")
     args = parser.parse_args()
-    if args.compare:
+    if args.direct:
+        direct([int(t) for t in args.tensors.split(",")], args.rounds)
+    elif args.compare:
         compare(args.ranks, args.repeats, args.tensors, args.rounds, args.budget, args.csv)
     else:
         measure([int(t) for t in args.tensors.split(",")], args.rounds, args.warmup, args.budget)

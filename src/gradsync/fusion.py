@@ -22,30 +22,35 @@ def nbytes(request: Request) -> int:
     return math.prod(request.shape) * acc.itemsize
 
 
-def plan_allreduce(ready: list[Request], threshold: int) -> list[Response]:
+def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None = None,
+                   with_requests: bool = False) -> list[Response]:
     """Group ready allreduce requests into fused responses.
 
     Requests with the same (dtype, op, prescale, postscale) are packed in order into responses of at
     most ``threshold`` bytes; a request larger than ``threshold`` gets a response of its own. The
     order of responses is the order of their first request, so every rank that runs the same plan
-    moves the same bytes in the same order.
+    moves the same bytes in the same order. ``sizes``: each request's :func:`nbytes`, if known
+    (the response cache keeps them); ``with_requests``: fill ``Response.requests``.
     """
-    groups: list[list[str]] = []
-    open_group: dict[tuple, tuple[int, int]] = {}  # fusion key -> (index in groups, bytes so far)
-    for request in ready:
-        size = nbytes(request)
-        key = (request.dtype, request.op, request.prescale, request.postscale)
+    groups: list[list[Request]] = []
+    open_group: dict[tuple, list] = {}  # fusion key -> [group, bytes so far]
+    for position, request in enumerate(ready):
+        size = sizes[position] if sizes is not None else nbytes(request)
         if size > threshold:
-            groups.append([request.name])
+            groups.append([request])
             continue
-        index, used = open_group.get(key, (-1, 0))
-        if index >= 0 and used + size <= threshold:
-            groups[index].append(request.name)
-            open_group[key] = (index, used + size)
+        key = request[3:4] + request[5:6] + request[7:]  # dtype, op, prescale, postscale
+        current = open_group.get(key)
+        if current is not None and current[1] + size <= threshold:
+            current[0].append(request)
+            current[1] += size
         else:
-            groups.append([request.name])
-            open_group[key] = (len(groups) - 1, size)
-    return [Response(Kind.ALLREDUCE, tuple(names)) for names in groups]
+            group = [request]
+            groups.append(group)
+            open_group[key] = [group, size]
+    if with_requests:
+        return [Response(Kind.ALLREDUCE, tuple(r.name for r in g), requests=tuple(g)) for g in groups]
+    return [Response(Kind.ALLREDUCE, tuple(r.name for r in g)) for g in groups]
 
 
 class FusionBuffers:

@@ -274,17 +274,19 @@ class Negotiator:
     def _cached_responses(self, ready: int) -> list[Response]:
         responses: list[Response] = []
         allreduces: list[Request] = []
+        sizes: list[int] = []
+        waiting = self._waiting
         for bit in iter_bits(ready):
-            # A joined rank has no request of its own: the cached signature stands in for it.
-            request = self._waiting.pop(bit, None) or self.cache.request(bit)
-            self._ready_bits &= ~(1 << bit)
+            # A joined rank has no request of its own: the cached one stands in for it.
+            request = waiting.pop(bit, None) or self.cache.request(bit)
             if request.kind == Kind.ALLREDUCE:
                 allreduces.append(request)
+                sizes.append(self.cache.nbytes(bit))
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
-        by_name = {r.name: r for r in allreduces}
-        responses += [r._replace(requests=tuple(by_name[n] for n in r.names))
-                      for r in fusion.plan_allreduce(allreduces, self.fusion_threshold)]
+        self._ready_bits &= ~ready
+        responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
+                                           with_requests=True)
         if self.joined:
             responses = [r._replace(contributors=self.size - len(self.joined)) for r in responses]
         return responses

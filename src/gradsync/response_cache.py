@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 
+from . import fusion
 from .protocol import Kind, Request
 
 CACHEABLE = frozenset({Kind.ALLREDUCE, Kind.BROADCAST})
@@ -27,9 +28,9 @@ class Lookup(enum.Enum):
     INVALID = 2
 
 
-def signature(request: Request) -> Request:
-    """The request with its rank field cleared: what must be equal for a cache hit."""
-    return request._replace(rank=0)
+def signature(request: Request) -> tuple:
+    """Every field of the request but the rank: what must be equal for a cache hit."""
+    return request[:2] + request[3:]
 
 
 class ResponseCache:
@@ -37,7 +38,9 @@ class ResponseCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._slots: collections.OrderedDict[str, tuple[int, Request]] = collections.OrderedDict()
+        # name -> (bit, signature, request, bytes in a fusion buffer)
+        self._slots: collections.OrderedDict[str, tuple[int, tuple, Request, int]] = (
+            collections.OrderedDict())
         self._names: dict[int, str] = {}
         self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest free bit
 
@@ -47,10 +50,10 @@ class ResponseCache:
     def lookup(self, request: Request) -> tuple[Lookup, int]:
         """Whether ``request`` is cached (HIT), unknown (MISS) or cached differently (INVALID),
         and its bit (-1 on MISS). Never changes the cache."""
-        if request.kind not in CACHEABLE or request.name not in self._slots:
+        slot = self._slots.get(request.name)
+        if slot is None or request.kind not in CACHEABLE:
             return Lookup.MISS, -1
-        bit, cached = self._slots[request.name]
-        return (Lookup.HIT if cached == signature(request) else Lookup.INVALID), bit
+        return (Lookup.HIT if slot[1] == request[:2] + request[3:] else Lookup.INVALID), slot[0]
 
     def put(self, request: Request) -> int | None:
         """Record that ``request`` completed; returns the bit evicted to make room, if any."""
@@ -61,11 +64,11 @@ class ResponseCache:
             return None
         evicted = None
         if not self._free:
-            _, (evicted, _) = self._slots.popitem(last=False)
+            _, (evicted, *_) = self._slots.popitem(last=False)
             del self._names[evicted]
             self._free.append(evicted)
         bit = self._free.pop()
-        self._slots[request.name] = (bit, signature(request))
+        self._slots[request.name] = (bit, signature(request), request, fusion.nbytes(request))
         self._names[bit] = request.name
         return evicted
 
@@ -78,8 +81,12 @@ class ResponseCache:
             self._free.sort(reverse=True)
 
     def request(self, bit: int) -> Request:
-        """The cached signature at ``bit``."""
-        return self._slots[self._names[bit]][1]
+        """The request cached at ``bit`` (as some rank sent it)."""
+        return self._slots[self._names[bit]][2]
+
+    def nbytes(self, bit: int) -> int:
+        """Bytes the collective at ``bit`` occupies in a fusion buffer."""
+        return self._slots[self._names[bit]][3]
 
 
 def bits_to_words(bits: int, words: int) -> bytes:
