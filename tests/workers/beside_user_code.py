@@ -4,9 +4,9 @@ process forked after init() gets a clear error and the parent goes on and shuts 
 """
 
 import os
-import traceback
 
 import numpy as np
+from harness import run_checks
 from mpi4py import MPI
 
 import gradsync
@@ -71,14 +71,5 @@ def check_forked_child_gets_a_clear_error():
     assert np.all(out == size)
 
 
-CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
-try:
-    for check in CHECKS:
-        check()
-        print(f"rank {rank}: ok {check.__name__}", flush=True)
-except BaseException:
-    traceback.print_exc()
-    MPI.COMM_WORLD.Abort(1)
-    os._exit(1)
-gradsync.shutdown()
+run_checks(globals())
 print(f"beside_user_code rank {rank}: passed", flush=True)

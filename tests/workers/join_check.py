@@ -7,11 +7,10 @@ count as zeros, as in Horovod and DDP), or over the contributors with GRADSYNC_J
 """
 
 import os
-import traceback
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from harness import run_checks
 
 import gradsync
 
@@ -80,14 +79,5 @@ def check_join_stand_ins_for_every_op():
     assert return_value != 0 or size == 1
 
 
-CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
-try:
-    for check in CHECKS:
-        check()
-        print(f"rank {rank}: ok {check.__name__}", flush=True)
-except BaseException:
-    traceback.print_exc()
-    MPI.COMM_WORLD.Abort(1)
-    os._exit(1)
-gradsync.shutdown()
+run_checks(globals())
 print(f"join_check rank {rank}: passed", flush=True)

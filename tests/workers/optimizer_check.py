@@ -5,10 +5,9 @@ rank waits for it.
 """
 
 import copy
-import traceback
 
 import torch
-from mpi4py import MPI
+from harness import run_checks
 
 import gradsync
 
@@ -307,14 +306,5 @@ def case_load_state_dict_resets_pending_state():
     opt.step()
 
 
-CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
-try:
-    for case in CASES:
-        case()
-        print(f"rank {rank}: ok {case.__name__}", flush=True)
-except BaseException:
-    traceback.print_exc()
-    print(f"rank {rank}: FAILED", flush=True)
-    MPI.COMM_WORLD.Abort(1)
-gradsync.shutdown()
-print(f"rank {rank}: {len(CASES)} optimizer cases passed", flush=True)
+count = run_checks(globals(), prefix="case_")
+print(f"rank {rank}: {count} optimizer cases passed", flush=True)
