@@ -164,10 +164,11 @@ class Coordinator:
                 for entry in entries:
                     self._pending[entry.request.name] = entry
                 started_ns = time.perf_counter_ns()
-                # join() waits for the other ranks by design: it is not a stall.
-                oldest = min((e.submitted_ns for e in self._pending.values()
-                              if e.request.kind != Kind.JOIN), default=None)
-                stall = self._stall_clock.due(None if oldest is None else oldest / 1e9, started_ns / 1e9)
+                stall = False
+                if self._stall_clock.check_time > 0:
+                    oldest = min((ns for _, ns in self._waited_on()), default=None)
+                    stall = self._stall_clock.due(None if oldest is None else oldest / 1e9,
+                                                  started_ns / 1e9)
                 reply = self.negotiator.cycle([e.request for e in entries], shutdown, stall,
                                               self._pending_ages)
                 replied_ns = time.perf_counter_ns()
@@ -195,10 +196,15 @@ class Coordinator:
             if self.timeline is not None:
                 self.timeline.close()
 
+    def _waited_on(self):
+        """(name, submission time in ns) of the pending collectives a stall report is about; join()
+        waits for the other ranks by design, so it is not one of them."""
+        return ((name, e.submitted_ns) for name, e in self._pending.items()
+                if e.request.kind != Kind.JOIN)
+
     def _pending_ages(self) -> tuple[tuple[str, float], ...]:
         now = time.perf_counter_ns()
-        return tuple((name, (now - e.submitted_ns) / 1e9) for name, e in self._pending.items()
-                     if e.request.kind != Kind.JOIN)
+        return tuple((name, (now - ns) / 1e9) for name, ns in self._waited_on())
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:
@@ -269,7 +275,7 @@ class Coordinator:
         logical = request.dtype == "bool"
         integer_average = average and request.dtype in dtypes.INTEGER
         scale = request.postscale / divisor if average and not integer_average else request.postscale
-        divisor = divisor if integer_average else 1
+        floor_divisor = divisor if integer_average else 1
         only = entries[0]
         if (len(entries) == 1 and only.target.dtype == accumulator
                 and only.target.flags.c_contiguous and only.target.flags.writeable):
@@ -281,8 +287,8 @@ class Coordinator:
                 phases.append(("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns()))
             self._backend.allreduce(target.reshape(-1), request.op, logical)
             phases.append(("ALLREDUCE", time.perf_counter_ns()))
-            fusion.unpack(target, target, scale, divisor)
-            if scale != 1.0 or divisor != 1:
+            fusion.unpack(target, target, scale, floor_divisor)
+            if scale != 1.0 or floor_divisor != 1:
                 phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
             return phases
         counts = [math.prod(e.request.shape) for e in entries]
@@ -294,7 +300,7 @@ class Coordinator:
         self._backend.allreduce(buffer, request.op, logical)
         reduced_ns = time.perf_counter_ns()
         for entry, start, stop in zip(entries, offsets, offsets[1:]):
-            fusion.unpack(buffer[start:stop], entry.target, scale, divisor)
+            fusion.unpack(buffer[start:stop], entry.target, scale, floor_divisor)
         return [("MEMCPY_IN_FUSION_BUFFER", packed_ns), ("ALLREDUCE", reduced_ns),
                 ("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns())]
 
