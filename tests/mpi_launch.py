@@ -43,7 +43,10 @@ def flavour() -> str:
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(WORKERS))
+    # The workers, then this checkout's src/: jobs test the tree the tests belong to, whatever
+    # checkout an editable install points at.
+    path = [str(WORKERS), str(REPO / "src"), env.get("PYTHONPATH", "")]
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, path)))
     if flavour() == "openmpi":
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
