@@ -110,3 +110,47 @@ def test_shutdown_requests_are_reported_by_rank():
     table = MessageTable(size=3, fusion_threshold=1 << 20)
     assert cycle(table, [], [], [], shutdown=(0, 2)).shutdown_ranks == (0, 2)
     assert cycle(table, [], [], []).shutdown_ranks == ()
+
+
+def member(group, index, rank, size=3, shape=(4,)):
+    return allreduce(f"{group}.{index}", rank, shape=shape)._replace(group=group, group_size=size)
+
+
+def test_a_group_is_answered_only_when_every_member_is_ready_everywhere_and_as_one_response():
+    table = MessageTable(size=2, fusion_threshold=0)  # threshold 0 would put plain ones apart
+    reply = cycle(table, [member("g", i, 0) for i in range(3)], [member("g", i, 1) for i in (2, 0)])
+    assert reply.responses == ()  # g.0 and g.2 are ready everywhere, g.1 is not
+    reply = cycle(table, [allreduce("plain", 0)], [member("g", 1, 1), allreduce("plain", 1)])
+    assert reply.responses == (Response(Kind.ALLREDUCE, ("g.2", "g.0", "g.1")),
+                               Response(Kind.ALLREDUCE, ("plain",)))
+    assert table.pending() == {}
+
+
+def test_a_disagreement_on_one_member_fails_the_whole_group():
+    table = MessageTable(size=2, fusion_threshold=1 << 20)
+    reply = cycle(table, [member("g", i, 0) for i in range(3)],
+                  [member("g", i, 1, shape=(4,) if i != 1 else (5,)) for i in range(3)])
+    (response,) = reply.responses
+    assert response.names == ("g.0", "g.1", "g.2")
+    assert response.error == ("grouped allreduce 'g' fails as a whole: allreduce 'g.1': ranks "
+                              "disagree on shape: rank 0: (4,), rank 1: (5,)")
+
+
+def test_a_group_whose_ranks_disagree_on_its_size_fails_at_once_with_every_member():
+    table = MessageTable(size=2, fusion_threshold=1 << 20)
+    reply = cycle(table, [member("g", i, 0, size=2) for i in range(2)],
+                  [member("g", i, 1, size=3) for i in range(3)])
+    (response,) = reply.responses
+    assert sorted(response.names) == ["g.0", "g.1", "g.2"]  # g.2 came from rank 1 only
+    assert "ranks disagree on group size: rank 0: 2, rank 1: 3" in response.error
+    assert table.pending() == {}
+
+
+def test_alltoall_answers_with_the_split_matrix_and_checks_trailing_dimensions():
+    table = MessageTable(size=2, fusion_threshold=1 << 20)
+    reply = cycle(table, [Request("a", Kind.ALLTOALL, 0, "int8", (3, 2), splits=(1, 2))],
+                  [Request("a", Kind.ALLTOALL, 1, "int8", (4, 2), splits=(4, 0))])
+    assert reply.responses == (Response(Kind.ALLTOALL, ("a",), split_matrix=((1, 2), (4, 0))),)
+    reply = cycle(table, [Request("b", Kind.ALLTOALL, 0, "int8", (2, 2), splits=(1, 1))],
+                  [Request("b", Kind.ALLTOALL, 1, "int8", (2, 3), splits=(1, 1))])
+    assert "all but the first dimension must match" in reply.responses[0].error

@@ -21,7 +21,7 @@ import os as _os
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
-from .handles import Handle
+from .handles import GroupHandle, Handle
 from .nccl import nccl_built, nccl_version
 from .ops import (
     allgather,
@@ -31,14 +31,24 @@ from .ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
+    reducescatter,
+    reducescatter_async,
     synchronize,
 )
 from .protocol import Average, Max, Min, Product, ReduceOp, Sum
@@ -73,7 +83,10 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "allgather", "allgather_async", "allgather_object", "barrier", "join", "synchronize", "poll",
-    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async",
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle", "GroupHandle",
     "nccl_built", "nccl_version",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
     *_TORCH_NAMES,

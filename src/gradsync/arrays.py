@@ -39,6 +39,9 @@ class ArrayAdapter(Protocol):
     def empty(self, like: Any, shape: tuple[int, ...]) -> Any:
         """A new uninitialised, C-contiguous array of ``shape`` with the dtype and device of ``like``."""
 
+    def from_host(self, like: Any, array: np.ndarray) -> Any:
+        """``array`` (a numpy array) as an array of ``like``'s framework, in host memory."""
+
 
 class NumpyAdapter:
     """numpy.ndarray: the view is the array itself."""
@@ -51,6 +54,9 @@ class NumpyAdapter:
 
     def empty(self, like: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         return np.empty(shape, dtype=like.dtype)
+
+    def from_host(self, like: np.ndarray, array: np.ndarray) -> np.ndarray:
+        return array
 
 
 class DLPackAdapter:
@@ -68,6 +74,9 @@ class DLPackAdapter:
 
     def empty(self, like: Any, shape: tuple[int, ...]) -> Any:
         return like.__array_namespace__().empty(shape, dtype=like.dtype)
+
+    def from_host(self, like: Any, array: np.ndarray) -> Any:
+        return like.__array_namespace__().asarray(array)
 
 
 _NUMPY = NumpyAdapter()

@@ -43,7 +43,9 @@ class Entry:
 
     ``source`` is a numpy view of the input; ``target`` a numpy view of where the result goes (the
     same object for in-place ops; None where the coordinator allocates it, as for allgather).
-    ``result`` is what the handle returns; ``allocate`` makes it (and ``target``) when needed.
+    ``result`` is what the handle returns; ``allocate`` makes it (and ``target``) when needed: from
+    the output shape (allgather), or from the output shape and the rows received from each rank
+    (alltoall, whose result is the pair (output, received splits)).
     """
 
     request: Request
@@ -51,7 +53,7 @@ class Entry:
     source: np.ndarray
     target: np.ndarray | None
     result: Any
-    allocate: Callable[[tuple[int, ...]], tuple[Any, np.ndarray]] | None = None
+    allocate: Callable[..., tuple[Any, np.ndarray]] | None = None
     submitted_ns: int = dataclasses.field(default_factory=time.perf_counter_ns)
 
 
@@ -72,15 +74,21 @@ class TensorQueue:
             ValueError: a collective of the same name is still in flight on this rank.
             GradsyncError: the coordinator has stopped (the error says why).
         """
-        name = entry.request.name
+        self.push_all([entry])
+
+    def push_all(self, entries: list[Entry]) -> None:
+        """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`."""
         with self._cond:
             if self.closed_error is not None:
                 raise self.closed_error
-            if name in self._in_flight:
-                raise ValueError(f"gradsync: rank {entry.request.rank}: a collective named {name!r} is "
-                                 f"still in flight; wait for its handle before reusing the name")
-            self._in_flight.add(name)
-            self._entries.append(entry)
+            for entry in entries:
+                name = entry.request.name
+                if name in self._in_flight:
+                    raise ValueError(f"gradsync: rank {entry.request.rank}: a collective named "
+                                     f"{name!r} is still in flight; wait for its handle before "
+                                     "reusing the name")
+            self._in_flight.update(entry.request.name for entry in entries)
+            self._entries.extend(entries)
             self._cond.notify()
 
     def request_shutdown(self) -> None:
@@ -124,6 +132,7 @@ class Coordinator:
         self.queue = TensorQueue()
         self._backend = backend if backend is not None else MpiBackend(comm)
         self._buffers = fusion.FusionBuffers()
+        self._receive_buffers = fusion.FusionBuffers()  # reducescatter receives beside its send buffer
         _check_same_everywhere(comm, config)
         self.negotiator = Negotiator(comm, config)
         self._pending: dict[str, Entry] = {}
@@ -148,6 +157,11 @@ class Coordinator:
         """Queue ``entry`` for negotiation; returns its handle at once."""
         self.queue.push(entry)
         return entry.handle
+
+    def submit_group(self, entries: list[Entry]) -> list[Handle]:
+        """Queue a group's entries together (all or none); returns their handles at once."""
+        self.queue.push_all(entries)
+        return [entry.handle for entry in entries]
 
     def shutdown(self, timeout: float) -> bool:
         """Ask every rank to stop, wait up to ``timeout`` seconds; True if the thread ended."""
@@ -221,19 +235,23 @@ class Coordinator:
         self._pending.clear()
 
     def _execute(self, response: Response, replied_ns: int) -> None:
-        stand_ins = dict(zip(response.names, response.requests))
-        entries = [self._pending.pop(name, None) or _stand_in(stand_ins[name])
-                   for name in response.names]
+        if response.error is not None:  # a failed group may name members this rank never submitted
+            entries = [self._pending.pop(name) for name in response.names if name in self._pending]
+        else:
+            stand_ins = dict(zip(response.names, response.requests))
+            entries = [self._pending.pop(name, None) or _stand_in(stand_ins[name], self.rank, self.size)
+                       for name in response.names]
         started_ns = time.perf_counter_ns()
         phases: list[tuple[str, int]] = []
         try:
             if response.error is not None:
                 raise CollectiveError(f"gradsync: rank {self.rank}: {response.error}")
             if response.kind == Kind.ALLREDUCE:
-                divisor = self.size
-                if self._join_divisor == "contributors" and response.contributors:
-                    divisor = response.contributors
-                phases = self._allreduce(entries, divisor)
+                phases = self._allreduce(entries, self._divisor(response))
+            elif response.kind == Kind.REDUCESCATTER:
+                phases = self._reducescatter(entries, self._divisor(response))
+            elif response.kind == Kind.ALLTOALL:
+                phases = self._alltoall(entries[0], response.split_matrix)
             elif response.kind == Kind.BROADCAST:
                 phases = self._broadcast(entries[0])
             elif response.kind == Kind.ALLGATHER:
@@ -255,6 +273,13 @@ class Coordinator:
             if self.timeline is not None:
                 self._record(entries, replied_ns, started_ns, phases)
 
+    def _divisor(self, response: Response) -> int:
+        """What Average divides the sum by: the world size, or (GRADSYNC_JOIN_DIVISOR=contributors)
+        the ranks that had not joined."""
+        if self._join_divisor == "contributors" and response.contributors:
+            return response.contributors
+        return self.size
+
     def _record(self, entries: list[Entry], replied_ns: int, started_ns: int,
                 phases: list[tuple[str, int]]) -> None:
         """Timeline spans of one response: phases are (name, end time), each starting where the
@@ -270,12 +295,7 @@ class Coordinator:
 
     def _allreduce(self, entries: list[Entry], divisor: int) -> list[tuple[str, int]]:
         request = entries[0].request
-        average = request.op == ReduceOp.Average
-        accumulator = dtypes.accumulator(request.dtype, average)
-        logical = request.dtype == "bool"
-        integer_average = average and request.dtype in dtypes.INTEGER
-        scale = request.postscale / divisor if average and not integer_average else request.postscale
-        floor_divisor = divisor if integer_average else 1
+        accumulator, logical, scale, floor_divisor = _reduction(request, divisor)
         only = entries[0]
         if (len(entries) == 1 and only.target.dtype == accumulator
                 and only.target.flags.c_contiguous and only.target.flags.writeable):
@@ -304,6 +324,47 @@ class Coordinator:
         return [("MEMCPY_IN_FUSION_BUFFER", packed_ns), ("ALLREDUCE", reduced_ns),
                 ("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns())]
 
+    def _reducescatter(self, entries: list[Entry], divisor: int) -> list[tuple[str, int]]:
+        """MPI_Reduce_scatter of every entry's rows in one call: the send buffer holds, rank after
+        rank, that rank's rows of each entry in turn; each rank receives its rows of every entry."""
+        request = entries[0].request
+        accumulator, logical, scale, floor_divisor = _reduction(request, divisor)
+        layouts = []  # per entry: (row offsets by rank, rows by rank, elements per row)
+        for entry in entries:
+            shape = entry.request.shape
+            rows = fusion.split_rows(shape[0], self.size)
+            layouts.append((np.cumsum([0] + rows).tolist(), rows, math.prod(shape[1:])))
+        counts = [sum(rows[r] * width for _, rows, width in layouts) for r in range(self.size)]
+        send = self._buffers.get(accumulator, sum(counts))
+        position = 0
+        for r in range(self.size):
+            for entry, (offsets, rows, width) in zip(entries, layouts):
+                part = entry.source[offsets[r]:offsets[r + 1]]
+                fusion.pack(part, send[position:position + rows[r] * width], request.prescale)
+                position += rows[r] * width
+        packed_ns = time.perf_counter_ns()
+        receive = self._receive_buffers.get(accumulator, counts[self.rank])
+        self._backend.reducescatter(send, receive, counts, request.op, logical)
+        reduced_ns = time.perf_counter_ns()
+        position = 0
+        for entry, (_, rows, width) in zip(entries, layouts):
+            count = rows[self.rank] * width
+            fusion.unpack(receive[position:position + count], entry.target, scale, floor_divisor)
+            position += count
+        return [("MEMCPY_IN_FUSION_BUFFER", packed_ns), ("REDUCESCATTER", reduced_ns),
+                ("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns())]
+
+    def _alltoall(self, entry: Entry, matrix: tuple[tuple[int, ...], ...]) -> list[tuple[str, int]]:
+        shape = entry.request.shape
+        row_bytes = math.prod(shape[1:]) * entry.source.dtype.itemsize
+        received = [row[self.rank] for row in matrix]
+        result, target = entry.allocate((sum(received),) + tuple(shape[1:]), received)
+        source = np.ascontiguousarray(entry.source)
+        self._backend.alltoall(source, target, [n * row_bytes for n in matrix[self.rank]],
+                               [n * row_bytes for n in received])
+        entry.result = result
+        return [("ALLTOALL", time.perf_counter_ns())]
+
     def _broadcast(self, entry: Entry) -> list[tuple[str, int]]:
         root = entry.request.root
         target = entry.target
@@ -327,6 +388,17 @@ class Coordinator:
         return [("ALLGATHER", time.perf_counter_ns())]
 
 
+def _reduction(request: Request, divisor: int) -> tuple[np.dtype, bool, float, int]:
+    """How to reduce ``request`` (see :mod:`gradsync.dtypes`): the accumulator dtype, whether the
+    data is logical (bool), the scale of the result (postscale, and 1/divisor for a floating
+    Average) and the floor divisor of an integer Average (1: none)."""
+    average = request.op == ReduceOp.Average
+    integer_average = average and request.dtype in dtypes.INTEGER
+    scale = request.postscale / divisor if average and not integer_average else request.postscale
+    return (dtypes.accumulator(request.dtype, average), request.dtype == "bool", scale,
+            divisor if integer_average else 1)
+
+
 def _check_same_everywhere(comm, config: Config) -> None:
     """Settings that every rank must share (each rank plans cached fusion by itself)."""
     mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor)
@@ -342,22 +414,28 @@ _IDENTITY = {ReduceOp.Average: "zero", ReduceOp.Sum: "zero", ReduceOp.Product: "
              ReduceOp.Min: "max", ReduceOp.Max: "min"}
 
 
-def _stand_in(request: Request) -> Entry:
-    """A joined rank's contribution to a collective it did not submit: for allreduce the identity of
-    the op (zeros for Sum/Average, ones for Product, the dtype's largest value for Min and smallest
-    for Max), for allgather no rows, for broadcast a buffer to receive into."""
+def _stand_in(request: Request, rank: int, size: int) -> Entry:
+    """A joined rank's contribution to a collective it did not submit: for allreduce and
+    reducescatter the identity of the op (zeros for Sum/Average, ones for Product, the dtype's
+    largest value for Min and smallest for Max; a reducescatter's rows for this rank are
+    discarded), for allgather and alltoall no rows (what alltoall sends it is discarded), for
+    broadcast a buffer to receive into."""
     dtype = dtypes.NUMPY_DTYPES[request.dtype]
     shape = request.shape
-    if request.kind == Kind.ALLGATHER:
+    if request.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
         empty = np.empty((0,) + tuple(shape[1:]), dtype)
 
-        def allocate(full_shape):
+        def allocate(full_shape, *_):
             out = np.empty(full_shape, dtype)
             return out, out
 
         return Entry(request, Handle(request.name), empty, None, None, allocate)
     data = np.zeros(shape, dtype)
-    if request.kind == Kind.ALLREDUCE:
+    target = data
+    if request.kind == Kind.REDUCESCATTER:
+        rows = fusion.split_rows(shape[0], size)[rank]
+        target = np.empty((rows,) + tuple(shape[1:]), dtype)
+    if request.kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
         identity = _IDENTITY[request.op]
         if identity == "one":
             data[...] = 1
@@ -367,4 +445,4 @@ def _stand_in(request: Request) -> Entry:
             else:
                 info = np.iinfo(np.uint8 if request.dtype == "bool" else dtype)
                 data[...] = info.max if identity == "max" else info.min
-    return Entry(request, Handle(request.name), data, data, None)
+    return Entry(request, Handle(request.name), data, target, None)

@@ -22,6 +22,14 @@ def nbytes(request: Request) -> int:
     return math.prod(request.shape) * acc.itemsize
 
 
+def split_rows(rows: int, size: int) -> list[int]:
+    """How reducescatter splits ``rows`` (dimension 0) over ``size`` ranks: as evenly as possible,
+    the first ``rows % size`` ranks getting one row more (rank r gets rows // size + (r < rows % size)),
+    in rank order, as MPI_Reduce_scatter with those counts."""
+    base, extra = divmod(rows, size)
+    return [base + (r < extra) for r in range(size)]
+
+
 def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None = None,
                    with_requests: bool = False) -> list[Response]:
     """Group ready allreduce requests into fused responses.
@@ -39,7 +47,8 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
         if size > threshold:
             groups.append([request])
             continue
-        key = request[3:4] + request[5:6] + request[7:]  # dtype, op, prescale, postscale
+        # dtype, op, prescale, postscale (the fields after them are equal for ungrouped allreduces)
+        key = request[3:4] + request[5:6] + request[7:]
         current = open_group.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(request)

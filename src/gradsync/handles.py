@@ -53,3 +53,33 @@ class Handle:
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done() else "pending")
         return f"<gradsync.Handle {self.name!r} {state}>"
+
+
+class GroupHandle:
+    """The pending results of a grouped collective (returned by the ``grouped_*_async`` ops).
+
+    Its members were negotiated and executed as one unit, so they complete together. Wait with
+    :func:`gradsync.synchronize` (or :meth:`wait`), which returns the list of outputs in the order
+    of the input tensors; test with :func:`gradsync.poll`.
+    """
+
+    __slots__ = ("name", "handles")
+
+    def __init__(self, name: str, handles: list[Handle]) -> None:
+        self.name = name
+        self.handles = handles
+
+    def done(self) -> bool:
+        """True once every member has finished, successfully or not; never blocks."""
+        return all(handle.done() for handle in self.handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Block until every member finished; return their outputs, in the order of the inputs.
+
+        Raises the first failed member's error (a group fails as a whole, with one message), or
+        TimeoutError as :meth:`Handle.wait` (``timeout`` applies to each member in turn).
+        """
+        return [handle.wait(timeout) for handle in self.handles]
+
+    def __repr__(self) -> str:
+        return f"<gradsync.GroupHandle {self.name!r} of {len(self.handles)}>"

@@ -5,6 +5,11 @@ before (``gather``). Rank 0 keeps a :class:`MessageTable` (tensor name -> each r
 last rank's request for a name arrives, rank 0 checks that all ranks agree on it and emits a response;
 ready allreduces are fused (:mod:`gradsync.fusion`). Rank 0 broadcasts the ordered responses.
 
+*Groups* (grouped_allreduce, grouped_reducescatter) are negotiated as one unit: a rank offers a
+group only once every member was submitted locally, rank 0 answers it only once every member is
+ready on every rank, and then with one response holding every member; a disagreement on any member
+fails the whole group.
+
 *Cached negotiation* (steady state, :mod:`gradsync.response_cache`): a collective seen before is one bit;
 one bitwise-AND allreduce of every rank's ready bits (plus flag bits) yields the cached collectives
 ready everywhere. The full gather/broadcast runs only in cycles where some rank has an uncached request
@@ -35,7 +40,10 @@ log = logging.getLogger("gradsync")
 
 # Fields on which every rank must agree, with the word used in error messages.
 _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("root", "root rank"),
-                  ("prescale", "prescale_factor"), ("postscale", "postscale_factor"))
+                  ("prescale", "prescale_factor"), ("postscale", "postscale_factor"),
+                  ("group", "group"), ("group_size", "group size"))
+# Collectives whose first dimension may differ between ranks.
+_VARIABLE_FIRST_DIM = (Kind.ALLGATHER, Kind.ALLTOALL)
 
 
 class MessageTable:
@@ -48,6 +56,7 @@ class MessageTable:
         self.inspector = inspector
         self._requests: dict[str, list[Request | None]] = {}
         self._first_seen: dict[str, float] = {}
+        self._held: dict[str, list[str]] = {}  # group -> its members ready so far, until all are
         self.joined: list[int] = []  # ranks that called join(), in the order they did
 
     def cycle(self, gathered: Iterable[RankMessage]) -> CycleReply:
@@ -71,9 +80,10 @@ class MessageTable:
                 if self._ready(slots):
                     ready.append(request.name)
         if self.joined != joined_before:  # a join may complete what waited only for that rank
+            held = {name for members in self._held.values() for name in members}
             ready += [name for name, slots in self._requests.items()
-                      if name not in ready and self._ready(slots)]
-        responses = self._responses(ready)
+                      if name not in ready and name not in held and self._ready(slots)]
+        responses = self._responses(self._whole_groups(ready) if self._has_groups(ready) else ready)
         stall_error = None
         if self.inspector is not None and any(m.stall for m in messages):
             stall_error = self._inspect(messages, now)
@@ -87,6 +97,38 @@ class MessageTable:
             return True
         kind = next(slot.kind for slot in slots if slot is not None)
         return kind != Kind.JOIN and all(p or r in self.joined for r, p in enumerate(present))
+
+    def _has_groups(self, ready: list[str]) -> bool:
+        return any(self._first(name).group for name in ready)
+
+    def _first(self, name: str) -> Request:
+        return next(slot for slot in self._requests[name] if slot is not None)
+
+    def _whole_groups(self, ready: list[str]) -> list[str | tuple[str, ...]]:
+        """``ready`` with the members of each group held back until the whole group is ready, then
+        given as one tuple of names. A group whose ranks disagree on its size is given at once, with
+        every member anyone submitted, so that it fails as a whole."""
+        units: list[str | tuple[str, ...]] = []
+        failed: set[str] = set()  # groups given whole already, because their ranks disagreed on size
+        for name in ready:
+            first = self._first(name)
+            if first.group in failed:
+                continue
+            if not first.group:
+                units.append(name)
+                continue
+            members = self._held.setdefault(first.group, [])
+            members.append(name)
+            sizes = {slot.group_size for slot in self._requests[name] if slot is not None}
+            if len(sizes) > 1:
+                units.append(tuple(n for n, slots in self._requests.items()
+                                   if any(s is not None and s.group == first.group for s in slots)))
+                del self._held[first.group]
+                failed.add(first.group)
+            elif len(members) == first.group_size:
+                units.append(tuple(members))
+                del self._held[first.group]
+        return units
 
     def _inspect(self, messages: list[RankMessage], now: float) -> str | None:
         """Log the stall report; return it if every rank must shut down with it."""
@@ -111,12 +153,15 @@ class MessageTable:
         return {name: [r for r, slot in enumerate(slots) if slot is not None]
                 for name, slots in self._requests.items()}
 
-    def _responses(self, ready: list[str]) -> tuple[Response, ...]:
+    def _responses(self, ready: list[str | tuple[str, ...]]) -> tuple[Response, ...]:
         responses: list[Response] = []
         allreduces: list[Request] = []
         joined = set(self.joined)
         representative: dict[str, Request] = {}
         for name in ready:
+            if isinstance(name, tuple):
+                responses.append(self._group_response(name, representative))
+                continue
             slots = self._requests.pop(name)
             del self._first_seen[name]
             first = representative[name] = next(slot for slot in slots if slot is not None)
@@ -131,6 +176,9 @@ class MessageTable:
             elif first.kind == Kind.ALLGATHER:
                 dims = tuple(0 if slot is None else slot.shape[0] for slot in slots)
                 responses.append(Response(first.kind, (name,), first_dims=dims))
+            elif first.kind == Kind.ALLTOALL:  # a joined rank sends no rows
+                matrix = tuple((0,) * self.size if slot is None else slot.splits for slot in slots)
+                responses.append(Response(first.kind, (name,), split_matrix=matrix))
             elif first.kind == Kind.JOIN:
                 responses.append(Response(first.kind, (name,), first_dims=(self.joined[-1],)))
                 self.joined = []
@@ -144,6 +192,28 @@ class MessageTable:
                          if r.kind != Kind.JOIN else r for r in responses]
         return tuple(responses)
 
+    def _group_response(self, names: tuple[str, ...], representative: dict[str, Request]) -> Response:
+        """One response for a whole group: every member fused, or an error for every member."""
+        error = None
+        for name in names:
+            slots = self._requests.pop(name)
+            del self._first_seen[name]
+            first = representative[name] = next(slot for slot in slots if slot is not None)
+            error = error or _disagreement(slots)
+        if error is None and len(names) != first.group_size:
+            error = f"its ranks submitted {len(names)} members in all"
+        if error is not None:
+            kind = first.kind.name.lower()
+            error = f"grouped {kind} {first.group!r} fails as a whole: {error}"
+        return Response(first.kind, names, error=error)
+
+
+def _wholly_cached(lookups: list[tuple[Request, Lookup, int]]) -> set[str]:
+    """The groups among ``lookups`` (request, lookup state, bit) every member of which hit the cache."""
+    groups = {request.group for request, _, _ in lookups if request.group}
+    return groups - {request.group for request, state, _ in lookups if state is not Lookup.HIT}
+
+
 def _disagreement(slots: list[Request | None]) -> str | None:
     """An error message if the ranks' requests for one name disagree, else None (ranks that
     joined and did not submit it are left out)."""
@@ -155,7 +225,7 @@ def _disagreement(slots: list[Request | None]) -> str | None:
         if any(v != values[0][1] for _, v in values):
             return _mismatch(kind, first.name, word, values)
     shapes = [(rank, r.shape) for rank, r in present]
-    if first.kind == Kind.ALLGATHER:
+    if first.kind in _VARIABLE_FIRST_DIM:
         if any(len(s) == 0 for _, s in shapes) or any(s[1:] != shapes[0][1][1:] for _, s in shapes):
             return _mismatch(kind, first.name, "shape (all but the first dimension must match)",
                              shapes)
@@ -198,6 +268,7 @@ class Negotiator:
         self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
         self.size = comm.Get_size()
         self.joined: frozenset[int] = frozenset()  # the same on every rank: changed by full replies
+        self._partial: dict[str, list[Request]] = {}  # group -> members submitted here so far
         self.full_cycles = self.cached_cycles = 0
 
     def cycle(self, requests: list[Request], shutdown: bool, stall: bool = False,
@@ -207,14 +278,18 @@ class Negotiator:
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
         for (name, seconds waited), sent when a report is being made.
         """
+        if self._partial or any(request.group for request in requests):
+            requests = self._whole_groups(requests)
         if self.cache is None:
             self.full_cycles += 1
             return self._full(RankMessage(shutdown, requests, stall, pending() if stall else None))
         uncached, self._resend = self._resend, []
         invalid = 0
-        for request in requests:
-            state, bit = self.cache.lookup(request)
-            if state is Lookup.HIT:
+        lookups = [(request, *self.cache.lookup(request)) for request in requests]
+        whole = _wholly_cached(lookups) if any(request.group for request in requests) else ()
+        for request, state, bit in lookups:
+            # A group is offered by its bits only if every member is cached, else all in full.
+            if state is Lookup.HIT and (not request.group or request.group in whole):
                 self._ready_bits |= 1 << bit
                 self._waiting[bit] = request
                 continue
@@ -235,6 +310,20 @@ class Negotiator:
         reply = self._full(RankMessage(shutdown, uncached, stall, pending() if stall_any else None))
         return reply._replace(responses=tuple(responses) + reply.responses)
 
+    def _whole_groups(self, requests: list[Request]) -> list[Request]:
+        """``requests`` minus the members of groups not yet wholly submitted on this rank (kept
+        until their last member arrives, then given together)."""
+        whole = []
+        for request in requests:
+            if not request.group:
+                whole.append(request)
+                continue
+            members = self._partial.setdefault(request.group, [])
+            members.append(request)
+            if len(members) == request.group_size:
+                whole.extend(self._partial.pop(request.group))
+        return whole
+
     def propose(self, settings: tuple[int, float]) -> None:
         """Rank 0: make every rank use (fusion threshold, cycle time) after the next cycle."""
         self._proposal = settings
@@ -252,6 +341,9 @@ class Negotiator:
         if request is not None:
             self._ready_bits &= ~(1 << bit)
             self._resend.append(request)
+            if request.group:  # a group waits whole or not at all
+                for other in [b for b, r in self._waiting.items() if r.group == request.group]:
+                    self.forget(other)
 
     def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool, stall: bool):
         """One AND allreduce: [ready bits | inverted invalid bits | inverted flags]."""
@@ -275,16 +367,21 @@ class Negotiator:
         responses: list[Response] = []
         allreduces: list[Request] = []
         sizes: list[int] = []
+        groups: dict[str, list[Request]] = {}
         waiting = self._waiting
         for bit in iter_bits(ready):
             # A joined rank has no request of its own: the cached one stands in for it.
             request = waiting.pop(bit, None) or self.cache.request(bit)
-            if request.kind == Kind.ALLREDUCE:
+            if request.group:  # every rank set a group's bits together, so all of them are here
+                groups.setdefault(request.group, []).append(request)
+            elif request.kind == Kind.ALLREDUCE:
                 allreduces.append(request)
                 sizes.append(self.cache.nbytes(bit))
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
         self._ready_bits &= ~ready
+        responses += [Response(members[0].kind, tuple(r.name for r in members), requests=tuple(members))
+                      for members in groups.values()]
         responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
                                            with_requests=True)
         if self.joined:

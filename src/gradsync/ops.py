@@ -6,12 +6,14 @@ same order on every rank, whatever order the ranks submitted in. ``*_async`` ops
 
 Names identify a collective across ranks: every rank must use the same name for the same
 collective. Unnamed ops are named by kind and by how many unnamed ops of that kind this rank
-issued before, so ranks must issue their unnamed ops in the same order.
+issued before, so ranks must issue their unnamed ops in the same order. The members of a grouped
+op named ``g`` are named ``g.0``, ``g.1``, ... in the order of the input tensors.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,19 +21,22 @@ import numpy as np
 from . import dtypes, runtime
 from .arrays import adapter_for
 from .coordinator import Entry
-from .handles import Handle
+from .fusion import split_rows
+from .handles import GroupHandle, Handle
 from .protocol import Kind, ReduceOp, Request
 
 _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
 
-def _prepare(tensor: Any, name: str | None, kind: Kind):
+def _prepare(tensor: Any, name: str | None, kind: Kind, where: str | None = None):
     """Check ``tensor`` is something gradsync can move; return runtime, adapter, info and the label
-    that names it in errors. An unnamed op gets its name only once every check passed (_name), so a
-    call rejected on one rank does not shift the names of that rank's later unnamed ops."""
+    that names it in errors (``where``, if given). An unnamed op gets its name only once every check
+    passed (_name), so a call rejected on one rank does not shift the names of that rank's later
+    unnamed ops."""
     rt = runtime.get()
-    label = "(unnamed)" if name is None else repr(str(name))
-    where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
+    if where is None:
+        label = "(unnamed)" if name is None else repr(str(name))
+        where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
     try:
         adapter = adapter_for(tensor, name)
         info = adapter.info(tensor)
@@ -70,20 +75,62 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
                         f"floating-point tensor, but it is {dtype}")
 
 
-def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
-               postscale_factor: float, in_place: bool) -> Handle:
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLREDUCE)
+def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale_factor: float,
+               postscale_factor: float, in_place: bool, where: str | None = None):
+    """Check the input of an allreduce or reducescatter (one member of a group, given ``where``);
+    return the runtime, the tensor's info, a Request without its name, and a function of the name
+    that makes the Entry."""
+    rt, adapter, info, where = _prepare(tensor, name, kind, where)
     try:
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
-    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
-    name = _name(rt, name, "allreduce")
-    request = Request(name, Kind.ALLREDUCE, rt.rank, info.dtype, info.shape, op, -1,
-                      prescale, postscale)
-    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+    shape = info.shape
+    if kind == Kind.REDUCESCATTER:
+        if len(shape) == 0:
+            raise ValueError(f"{where}: needs at least one dimension to scatter, got a 0-d tensor "
+                             "(reshape it to (1,))")
+        shape = (split_rows(shape[0], rt.size)[rt.rank],) + tuple(shape[1:])
+    source, target, result = _output(adapter, tensor, shape, in_place, where)
+    request = Request("", kind, rt.rank, info.dtype, info.shape, op, -1, prescale, postscale)
+
+    def entry(request_name: str, **fields) -> Entry:
+        named = request._replace(name=request_name, **fields)
+        return Entry(named, Handle(request_name), source, target, result)
+
+    return rt, info, entry
+
+
+def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
+               postscale_factor: float, in_place: bool, kind: Kind = Kind.ALLREDUCE) -> Handle:
+    rt, _, entry = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor, in_place)
+    return rt.coordinator.submit(entry(_name(rt, name, kind.name.lower())))
+
+
+def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
+             prescale_factor: float, postscale_factor: float, in_place: bool) -> GroupHandle:
+    """Check every member, then submit them all at once as one group (or none, on any error)."""
+    rt = runtime.get()
+    label = "(unnamed)" if name is None else repr(str(name))
+    where = f"gradsync: rank {rt.rank}: grouped_{kind.name.lower()} {label}"
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{where}: tensors must be a list or tuple of tensors, got a "
+                        f"{type(tensors).__module__}.{type(tensors).__qualname__}")
+    if not tensors:
+        raise ValueError(f"{where}: the group is empty; pass at least one tensor")
+    members = [_reduction(t, None, kind, op, prescale_factor, postscale_factor, in_place,
+                          f"{where}, member {i}") for i, t in enumerate(tensors)]
+    dtypes_seen = [info.dtype for _, info, _ in members]
+    if len(set(dtypes_seen)) > 1:
+        listed = ", ".join(f"member {i}: {d}" for i, d in enumerate(dtypes_seen))
+        raise TypeError(f"{where}: every member of a group must have the same dtype (they are fused "
+                        f"into one buffer); got {listed}")
+    group = _name(rt, name, f"grouped_{kind.name.lower()}")
+    entries = [entry(f"{group}.{i}", group=group, group_size=len(members))
+               for i, (_, _, entry) in enumerate(members)]
+    return GroupHandle(group, rt.coordinator.submit_group(entries))
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -134,6 +181,194 @@ def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Ave
                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """Blocking :func:`allreduce_async_`: reduces ``tensor`` in place and returns it."""
     return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor))
+
+
+_GROUPED_DOC = """
+
+    The members are negotiated as one unit: none runs before every rank has submitted the whole
+    group, and then all of them run together, fused into one buffer whatever the fusion threshold.
+    If the ranks disagree on any member (shape, dtype, op, number of members), every member fails
+    on every rank with one CollectiveError naming the group, the member and each rank's value.
+    """
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
+                            op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> GroupHandle:
+    """Start an allreduce of every tensor of ``tensors`` as one group, each into a new tensor.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors of one dtype (any shapes), each as for
+            :func:`allreduce_async`; the same number, shapes and dtype on every rank.
+        name: the group's name (members are ``name.0``, ``name.1``, ...).
+        op, prescale_factor, postscale_factor: as :func:`allreduce_async`, for every member.
+
+    Returns:
+        A :class:`~gradsync.handles.GroupHandle`; :func:`synchronize` returns the list of reduced
+        tensors, in the order of ``tensors``.
+
+    Raises:
+        TypeError: ``tensors`` is not a list or tuple; members of different dtypes; any member's
+            TypeError of :func:`allreduce_async` (the message names the member's position).
+        ValueError: an empty group; unknown ``op``; a member name still in flight.
+        CollectiveError (from synchronize): the whole group failed, see below.
+    """
+    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, False)
+
+
+def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
+                             op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> GroupHandle:
+    """In-place :func:`grouped_allreduce_async`: each result is written into its input tensor.
+
+    Same arguments and errors, plus ValueError for a read-only member.
+    """
+    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, True)
+
+
+def grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
+                      op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[Any]:
+    """Blocking :func:`grouped_allreduce_async`: returns the list of reduced (new) tensors."""
+    return synchronize(grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
+                       op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0) -> list[Any]:
+    """Blocking :func:`grouped_allreduce_async_`: reduces every tensor in place, returns the list."""
+    return synchronize(grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor))
+
+
+def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter: reduce ``tensor`` across ranks, and give each rank its rows of the result.
+
+    Same semantics as MPI_Reduce_scatter along dimension 0. The N rows are split as evenly as
+    possible in rank order: rank r gets ``N // size`` rows, plus one if ``r < N % size`` (the
+    first ``N % size`` ranks get one extra row), i.e. rows ``sum(counts[:r])`` to
+    ``sum(counts[:r+1])`` of the allreduce's result. Ranks may get zero rows (N < size).
+
+    Args:
+        tensor: at least one dimension; the same shape and dtype on every rank.
+        name, op, prescale_factor, postscale_factor: as :func:`allreduce_async`, with the same dtype
+            rules (float16/bfloat16 reduced in float32 and rounded once; integer Average is the
+            floor of the mean; bool Sum/Max are or, Min/Product and).
+
+    Returns:
+        A handle; :func:`synchronize` returns a new tensor of shape ``(counts[rank],) + shape[1:]``.
+
+    Raises:
+        ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
+    """
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, Kind.REDUCESCATTER)
+
+
+def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Blocking :func:`reducescatter_async`: returns this rank's rows of the reduction."""
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
+                                op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> GroupHandle:
+    """Start a reducescatter of every tensor of ``tensors`` as one group (one MPI_Reduce_scatter).
+
+    Each member is split along its own dimension 0 as :func:`reducescatter_async` says.
+
+    Returns:
+        A :class:`~gradsync.handles.GroupHandle`; :func:`synchronize` returns the list of this
+        rank's rows of each member, in the order of ``tensors``.
+
+    Raises:
+        As :func:`grouped_allreduce_async`, plus ValueError for a 0-d member.
+    """
+    return _grouped(tensors, name, Kind.REDUCESCATTER, op, prescale_factor, postscale_factor, False)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
+                          op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[Any]:
+    """Blocking :func:`grouped_reducescatter_async`: returns the list of this rank's rows."""
+    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
+                                                   postscale_factor))
+
+
+for _grouped_op in (grouped_allreduce_async, grouped_reducescatter_async):
+    _grouped_op.__doc__ += _GROUPED_DOC
+
+
+def _check_splits(splits: Any, rows: int, size: int, where: str) -> tuple[int, ...]:
+    """``splits`` as a tuple of ``size`` non-negative ints summing to ``rows``; None: even split."""
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{where}: dimension 0 ({rows}) is not divisible by the number of ranks "
+                             f"({size}); pass splits= to say how many rows go to each rank")
+        return (rows // size,) * size
+    values = splits.tolist() if hasattr(splits, "tolist") else splits
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values):
+        raise TypeError(f"{where}: splits must be a sequence of {size} ints (one per rank), got "
+                        f"{splits!r}")
+    values = tuple(int(v) for v in values)
+    if len(values) != size:
+        raise ValueError(f"{where}: splits has {len(values)} entries but there are {size} ranks: "
+                         f"{list(values)}")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{where}: splits must not be negative: {list(values)}")
+    if sum(values) != rows:
+        raise ValueError(f"{where}: splits {list(values)} sum to {sum(values)}, but dimension 0 "
+                         f"of the tensor is {rows}")
+    return values
+
+
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None) -> Handle:
+    """Start an alltoall: send rows of ``tensor`` to every rank, receive every rank's rows for this one.
+
+    Same semantics as MPI_Alltoallv along dimension 0: the first ``splits[0]`` rows go to rank 0,
+    the next ``splits[1]`` to rank 1, and so on; the output holds the rows received from rank 0,
+    then from rank 1, ... (a rank that called :func:`join` sends none).
+
+    Args:
+        tensor: at least one dimension; dimension 0 may differ between ranks, the others and the
+            dtype must match.
+        splits: rows for each destination rank: a sequence (or 1-d integer array) of ``size()``
+            non-negative ints summing to ``tensor.shape[0]``; may differ between ranks and between
+            calls. None: ``shape[0] / size()`` rows to every rank (which must divide evenly).
+        name: identifies the collective across ranks (see the module docstring).
+
+    Returns:
+        A handle; :func:`synchronize` returns ``(output, received_splits)``: a new tensor of shape
+        ``(sum(received_splits),) + shape[1:]``, and the rows received from each rank as a 1-d
+        int64 array of the input's framework (numpy, torch, ...).
+
+    Raises:
+        ValueError: a 0-d tensor; splits of the wrong length, negative, or not summing to
+            ``shape[0]``; ``shape[0]`` not divisible by ``size()`` when splits is None.
+        TypeError: splits that are not integers. Others as :func:`allreduce_async`.
+        CollectiveError (from synchronize): the ranks disagree on dtype or on the trailing shape.
+    """
+    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLTOALL)
+    if len(info.shape) == 0:
+        raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
+                         "to (1,))")
+    splits = _check_splits(splits, info.shape[0], rt.size, where)
+
+    def allocate(shape: tuple[int, ...], received: list[int]) -> tuple[Any, np.ndarray]:
+        output = adapter.empty(tensor, shape)
+        received_splits = adapter.from_host(tensor, np.array(received, np.int64))
+        return (output, received_splits), adapter.host_view(output)
+
+    name = _name(rt, name, "alltoall")
+    request = Request(name, Kind.ALLTOALL, rt.rank, info.dtype, info.shape, splits=splits)
+    entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
+    return rt.coordinator.submit(entry)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None) -> tuple[Any, Any]:
+    """Blocking :func:`alltoall_async`: returns ``(output, received_splits)``."""
+    return synchronize(alltoall_async(tensor, splits, name))
 
 
 def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) -> Handle:
@@ -275,14 +510,15 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
 
 
-def synchronize(handle: Handle) -> Any:
-    """Wait for ``handle`` and return its output tensor (the input itself for in-place ops).
+def synchronize(handle: Handle | GroupHandle) -> Any:
+    """Wait for ``handle`` and return its output tensor (the input itself for in-place ops); for a
+    group, the list of outputs; for alltoall, the pair (output, received_splits).
 
     Raises the collective's error (CollectiveError, ShutdownError) if it failed.
     """
     return handle.wait()
 
 
-def poll(handle: Handle) -> bool:
+def poll(handle: Handle | GroupHandle) -> bool:
     """True if ``handle``'s collective has finished (successfully or not); never blocks."""
     return handle.done()

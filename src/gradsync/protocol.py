@@ -39,13 +39,19 @@ class Kind(enum.IntEnum):
     ALLGATHER = 2
     BARRIER = 3
     JOIN = 4
+    ALLTOALL = 5
+    REDUCESCATTER = 6
 
 
 class Request(NamedTuple):
     """One rank's description of a collective it wants to run.
 
     All ranks must send requests with the same ``name``; they must agree on every other field except
-    ``rank`` (and, for allgather, the first dimension of ``shape``).
+    ``rank`` (and, for allgather and alltoall, the first dimension of ``shape``, and ``splits``).
+
+    ``splits`` (alltoall): the rows this rank sends to each rank. ``group``: the name of the group
+    this request belongs to (grouped ops; empty otherwise), which has ``group_size`` members, all
+    negotiated and executed as one unit.
     """
 
     name: str
@@ -57,14 +63,19 @@ class Request(NamedTuple):
     root: int = -1
     prescale: float = 1.0
     postscale: float = 1.0
+    splits: tuple[int, ...] = ()
+    group: str = ""
+    group_size: int = 0
 
 
 class Response(NamedTuple):
     """What every rank does next, in the same order on every rank.
 
-    ``names`` holds one tensor, or several fused into one buffer (allreduce only). ``error`` set means
-    the collective fails on every rank with that message. ``first_dims`` is, for allgather, the first
-    dimension each rank contributes (index = rank); for join, the rank that joined last.
+    ``names`` holds one tensor, or several fused into one buffer (allreduce, and the members of a
+    group). ``error`` set means the collective fails on every rank with that message (a rank skips
+    names it did not submit). ``first_dims`` is, for allgather, the first dimension each rank
+    contributes (index = rank); for join, the rank that joined last. ``split_matrix`` (alltoall):
+    row s holds the rows rank s sends to each rank, so column r is what rank r receives.
     While some ranks have joined (:func:`gradsync.join`), ``requests`` carries the request behind
     each name, from which a joined rank builds its stand-in contribution, and ``contributors``
     the number of ranks that submitted (0: all of them).
@@ -76,6 +87,7 @@ class Response(NamedTuple):
     first_dims: tuple[int, ...] = ()
     requests: tuple[Request, ...] = ()
     contributors: int = 0
+    split_matrix: tuple[tuple[int, ...], ...] = ()
 
 
 class RankMessage(NamedTuple):

@@ -19,7 +19,8 @@ import enum
 from . import fusion
 from .protocol import Kind, Request
 
-CACHEABLE = frozenset({Kind.ALLREDUCE, Kind.BROADCAST})
+# Alltoall is not: its responses carry the split matrix, which may change from call to call.
+CACHEABLE = frozenset({Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER})
 
 
 class Lookup(enum.Enum):

@@ -8,8 +8,9 @@ NEGOTIATE                   from submission until the cycle's responses named it
 WAIT_FOR_DATA               from then until its collective started (behind earlier responses of
                             the same cycle; on the host the data itself is ready at submission)
 MEMCPY_IN_FUSION_BUFFER     packing it (and its fusion buffer's other tensors) into the buffer
-ALLREDUCE / BROADCAST /     the MPI collective itself
-ALLGATHER
+ALLREDUCE / BROADCAST /     the MPI collective itself (a group's members share one span of
+ALLGATHER / ALLTOALL /      their fused buffer)
+REDUCESCATTER
 MEMCPY_OUT_FUSION_BUFFER    unpacking the results (with the scale factors folded in)
 ==========================  ===================================================================
 

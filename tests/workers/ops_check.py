@@ -556,24 +556,29 @@ def check_barrier() -> None:
 
 # ---- torch tensors -------------------------------------------------------------------------------
 
+def to_torch(a: np.ndarray):
+    """A torch tensor holding a copy of ``a`` (bfloat16 through int16)."""
+    import torch
+
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def to_numpy(t, dtype: str, what: str) -> np.ndarray:
+    """``t`` as numpy, after checking that it is a torch tensor of ``dtype`` (a gradsync name)."""
+    import torch
+
+    expect(isinstance(t, torch.Tensor), f"{what}: returns a torch.Tensor, not {type(t)}")
+    expect(t.dtype == getattr(torch, dtype), f"{what}: dtype {t.dtype}")
+    t = t.contiguous()
+    return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def check_torch() -> None:
     import torch
 
-    torch_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
-                    "bool": torch.bool}
-
-    def to_torch(a: np.ndarray) -> torch.Tensor:
-        if a.dtype == BF16:
-            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-        return torch.from_numpy(a.copy())
-
-    def to_numpy(t, dtype, what) -> np.ndarray:
-        expect(isinstance(t, torch.Tensor), f"{what}: returns a torch.Tensor, not {type(t)}")
-        expect(t.dtype == torch_dtypes[dtype], f"{what}: dtype {t.dtype}")
-        t = t.contiguous()
-        return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
-
-    for dtype in torch_dtypes:
+    for dtype in ("float32", "bfloat16", "int64", "bool"):
         for op in (Sum, Average, Min, Max):
             if dtype == "bool" and op == Average:
                 continue
@@ -740,27 +745,36 @@ SECTIONS = [
 ]
 
 
-def main() -> None:
+def main(sections: list = SECTIONS, label: str = "ops_check", on_init=None) -> None:
+    """Run ``sections`` (or those named on the command line) and print ``{label} rank R: N cases
+    passed``; ``on_init(rank, size)`` lets another worker that shares these helpers learn both."""
     global RANK, SIZE
     gs.init()
     RANK, SIZE = gs.rank(), gs.size()
+    if on_init is not None:
+        on_init(RANK, SIZE)
     only = set(sys.argv[1:])  # optional: names of sections to run
-    unknown = only - {section.__name__ for section in SECTIONS}
+    unknown = only - {section.__name__ for section in sections}
     assert not unknown, f"no such sections: {sorted(unknown)}"
-    for section in SECTIONS:
+    for section in sections:
         if not only or section.__name__ in only:
             section()
     gs.barrier()
     # One write, so that mpiexec does not interleave it with another rank's line.
-    sys.stdout.write(f"ops_check rank {RANK}: {PASSED} cases passed\n")
+    sys.stdout.write(f"{label} rank {RANK}: {PASSED} cases passed\n")
     sys.stdout.flush()
     gs.shutdown()
 
 
-if __name__ == "__main__":
+def run_main(sections: list = SECTIONS, label: str = "ops_check", on_init=None) -> None:
+    """:func:`main`, aborting the whole job on any failure so that no rank waits forever."""
     try:
-        main()
+        main(sections, label, on_init)
     except BaseException:  # noqa: BLE001 - whatever failed, the other ranks must not hang
-        print(f"ops_check rank {MPI.COMM_WORLD.Get_rank()} FAILED:\n{traceback.format_exc()}",
+        print(f"{label} rank {MPI.COMM_WORLD.Get_rank()} FAILED:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    run_main()

@@ -92,9 +92,26 @@ class MpiBackend:
 
     def allgather(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         """MPI_Allgatherv of bytes: rank r contributes ``counts[r]`` bytes; ``recv`` holds them all."""
-        displacements = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         self.comm.Allgatherv(send.reshape(-1).view(np.uint8),
-                             [recv.reshape(-1).view(np.uint8), (counts, displacements), MPI.BYTE])
+                             [recv.reshape(-1).view(np.uint8), (counts, _displacements(counts)),
+                              MPI.BYTE])
+
+    def reducescatter(self, send: np.ndarray, receive: np.ndarray, counts: list[int], op: ReduceOp,
+                      logical: bool = False) -> None:
+        """MPI_Reduce_scatter of the contiguous ``send`` buffer: rank r receives the reduction of
+        elements ``sum(counts[:r])`` .. ``sum(counts[:r+1])`` into ``receive`` (``counts[r]``
+        elements); ``logical`` for 0/1 bool data. Always over all ranks (never hierarchical)."""
+        mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
+        self.comm.Reduce_scatter(send, receive, counts, op=mpi_op)
+
+    def alltoall(self, send: np.ndarray, receive: np.ndarray, send_counts: list[int],
+                 receive_counts: list[int]) -> None:
+        """MPI_Alltoallv of bytes: ``send_counts[r]`` bytes of ``send`` go to rank r, in rank order;
+        ``receive`` gets ``receive_counts[r]`` bytes from each rank r, in rank order."""
+        self.comm.Alltoallv([send.reshape(-1).view(np.uint8), (send_counts, _displacements(send_counts)),
+                             MPI.BYTE],
+                            [receive.reshape(-1).view(np.uint8),
+                             (receive_counts, _displacements(receive_counts)), MPI.BYTE])
 
     def close(self) -> None:
         """Free the topology communicators this backend owns (after the coordinator stopped)."""
@@ -102,3 +119,8 @@ class MpiBackend:
             if comm is not None:
                 comm.Free()
         self.local = self.cross = None
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    """Where each rank's part starts in a buffer of parts of ``counts`` in rank order."""
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()

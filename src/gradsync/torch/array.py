@@ -35,5 +35,8 @@ class TorchAdapter:
     def empty(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
 
+    def from_host(self, like: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array)
+
 
 TORCH = TorchAdapter()
