@@ -1,7 +1,7 @@
 """The PyTorch adapter against independent references, on real MPI jobs.
 
 - N-rank training equals single-process training on the concatenated batch (within 1e-5), and every
-  rank ends with bit-identical parameters;
+  rank ends with bit-identical parameters, also with the gradients reduced in groups (num_groups);
 - DistributedOptimizer's behaviours and misuse errors (tests/workers/optimizer_check.py).
 """
 
@@ -16,6 +16,18 @@ pytestmark = pytest.mark.mpi
 def test_sgd_training_equals_single_process(ranks):
     out = run_mpi("train_equivalence.py", ranks, "--optimizer", "sgd", timeout=180).stdout
     assert out.count("EQUIVALENT") == ranks, out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_training_with_num_groups_equals_single_process(ranks):
+    out = run_mpi("train_equivalence.py", ranks, "--num-groups", "2", timeout=180).stdout
+    assert out.count("EQUIVALENT") == ranks, out
+
+
+def test_num_groups_with_gradient_accumulation_and_adam():
+    out = run_mpi("train_equivalence.py", 2, "--optimizer", "adam", "--passes", "2",
+                  "--num-groups", "3", timeout=180).stdout
+    assert out.count("EQUIVALENT") == 2, out
 
 
 def test_adam_with_gradient_accumulation_equals_single_process():

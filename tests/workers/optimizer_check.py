@@ -306,5 +306,41 @@ def case_load_state_dict_resets_pending_state():
     opt.step()
 
 
+def case_num_groups_must_be_a_non_negative_int():
+    for bad in (-1, True, "2", 1.5):
+        with raises(ValueError, "num_groups", repr(bad), f"rank {rank}"):
+            model_and_optimizer(num_groups=bad)
+
+
+def case_num_groups_with_mixed_dtypes_an_unused_parameter_and_a_sparse_gradient():
+    """One group holding float32 and float64 parameters (one grouped allreduce per dtype), a
+    parameter unused on ranks > 0 (reduced with zeros) and a sparse gradient (allgathered)."""
+    w32 = torch.nn.Parameter(torch.zeros(3))
+    w64 = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    unused = torch.nn.Parameter(torch.zeros(4))
+    embedding = torch.nn.Embedding(5, 2, sparse=True)
+    named = [("w32", w32), ("w64", w64), ("unused", unused), ("emb", embedding.weight)]
+    for groups in (1, 2, 4):
+        opt = gradsync.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
+                                            [(f"g{groups}.{n}", p) for n, p in named],
+                                            num_groups=groups)
+        loss = (w32 * (rank + 1)).sum() + (w64 * (rank + 1)).sum() + embedding(torch.tensor([1])).sum()
+        if rank == 0:
+            loss = loss + (unused * 2).sum()
+        loss.backward()
+        opt.synchronize()
+        mean = (size + 1) / 2  # the average of 1 .. size
+        assert torch.allclose(w32.grad, torch.full((3,), mean)), (groups, w32.grad)
+        assert w64.grad.dtype == torch.float64 and torch.allclose(w64.grad, torch.full((2,), mean,
+                                                                                         dtype=torch.float64))
+        assert torch.allclose(unused.grad, torch.full((4,), 2.0 / size)), (groups, unused.grad)
+        assert embedding.weight.grad.is_sparse
+        assert torch.allclose(embedding.weight.grad.to_dense()[1], torch.ones(2)), embedding.weight.grad
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+        del opt
+
+
 count = run_checks(globals(), prefix="case_")
 print(f"rank {rank}: {count} optimizer cases passed", flush=True)

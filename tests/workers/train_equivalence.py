@@ -2,7 +2,8 @@
 
 Every rank also trains the single-process reference itself (same seed, whole global batch), then
 checks (1) its parameters match the reference within --tolerance and (2) every rank holds exactly the
-same parameters (an allgather compared bit for bit).
+same parameters (an allgather compared bit for bit). With --num-groups N it also checks that every
+step's gradients moved in exactly N grouped responses (one per reduction group).
 """
 
 import argparse
@@ -18,6 +19,7 @@ parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
 parser.add_argument("--passes", type=int, default=1, help="backward_passes_per_step")
 parser.add_argument("--batch", type=int, default=8, help="samples per rank per backward pass")
 parser.add_argument("--tolerance", type=float, default=1e-5)
+parser.add_argument("--num-groups", type=int, default=0, help="DistributedOptimizer num_groups")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -49,9 +51,16 @@ with torch.no_grad():
 gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
 named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 optimizer = gradsync.DistributedOptimizer(make_optimizer(model), named_parameters=named,
-                                          backward_passes_per_step=args.passes)
+                                          backward_passes_per_step=args.passes,
+                                          num_groups=args.num_groups)
 gradsync.broadcast_optimizer_state(optimizer, root_rank=0)
 reference_optimizer = make_optimizer(reference)
+
+executed: list[tuple[str, ...]] = []  # the names of every response the coordinator executes
+coordinator = gradsync.runtime.get().coordinator
+execute = coordinator._execute
+coordinator._execute = lambda response, replied_ns: (executed.append(response.names),
+                                                     execute(response, replied_ns))
 
 data = torch.Generator().manual_seed(1234)
 loss_fn = torch.nn.CrossEntropyLoss()
@@ -66,6 +75,12 @@ for step in range(args.steps):
         loss = loss_fn(model(xs[micro, mine]), ys[micro, mine]) / args.passes
         loss.backward()
     optimizer.step()
+    if args.num_groups:
+        grads = [names for names in executed if names[0].startswith("grad.")]
+        assert len(grads) == args.num_groups and all(
+            name.startswith("grad.group.") for names in grads for name in names), grads
+        assert sum(len(names) for names in grads) == len(named), grads
+    executed.clear()
 
     reference_optimizer.zero_grad()
     for micro in range(args.passes):

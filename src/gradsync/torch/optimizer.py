@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from .. import ops, runtime
+from ..fusion import split_rows
 from ..protocol import ReduceOp
 
 
@@ -18,7 +19,8 @@ class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
-                        gradient_predivide_factor: float, sparse_as_dense: bool) -> None:
+                        gradient_predivide_factor: float, sparse_as_dense: bool,
+                        num_groups: int = 0) -> None:
         self._gs_rank = runtime.get().rank
         self._gs_size = runtime.get().size
         self._gs_sparse_as_dense = sparse_as_dense
@@ -42,6 +44,8 @@ class _DistributedOptimizer:
             self._gs_check_owners(group)
         for group_index, group in enumerate(self.param_groups):
             self._gs_track(group, group_index)
+        self._gs_group_of = _reduction_groups(list(self._gs_names), num_groups)
+        self._gs_group_ready: dict[int, int] = {}  # reduction group -> its parameters submitted
 
     def _gs_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -93,12 +97,35 @@ class _DistributedOptimizer:
         if param.grad.layout != torch.strided:
             if not self._gs_sparse_as_dense:
                 self._gs_handles[param] = self._gs_sparse_allgather(param, name)
+                if param in self._gs_group_of:  # reduced apart, but its group waits for it too
+                    self._gs_handles[param] = functools.partial(
+                        _call_all, [self._gs_handles[param], self._gs_group_submit(param)])
                 return
             param.grad = param.grad.to_dense()
+        if param in self._gs_group_of:
+            self._gs_handles[param] = self._gs_group_submit(param)
+            return
         handle = ops.allreduce_async_(param.grad, name=name, op=self._gs_op,
                                       prescale_factor=self._gs_prescale,
                                       postscale_factor=self._gs_postscale)
         self._gs_handles[param] = functools.partial(ops.synchronize, handle)
+
+    def _gs_group_submit(self, param: torch.Tensor) -> Callable[[], None]:
+        """Count ``param`` ready in its reduction group; when it is the group's last, start one
+        grouped allreduce per gradient dtype and return the wait for them (else a no-op)."""
+        index, members = self._gs_group_of[param]
+        ready = self._gs_group_ready[index] = self._gs_group_ready.get(index, 0) + 1
+        if ready < len(members):
+            return _nothing
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for member in members:  # sparse gradients went their own way (allgather)
+            if member.grad.layout == torch.strided:
+                by_dtype.setdefault(member.grad.dtype, []).append(member.grad)
+        handles = [ops.grouped_allreduce_async_(grads, name=f"grad.group.{index}.{dtype}",
+                                                op=self._gs_op, prescale_factor=self._gs_prescale,
+                                                postscale_factor=self._gs_postscale)
+                   for dtype, grads in by_dtype.items()]
+        return functools.partial(_call_all, [functools.partial(ops.synchronize, h) for h in handles])
 
     def _gs_sparse_allgather(self, param: torch.Tensor, name: str) -> Callable[[], None]:
         """Start the allgather of a sparse gradient's indices and values; the returned function
@@ -135,6 +162,7 @@ class _DistributedOptimizer:
                 self._gs_submit(param)
         waits, self._gs_handles = self._gs_handles, {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+        self._gs_group_ready = {}
         if self._gs_backward_ns[0]:
             self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
             self._gs_backward_ns = (0, 0)
@@ -197,6 +225,7 @@ class _DistributedOptimizer:
             wait()
         self._gs_handles = {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+        self._gs_group_ready = {}
         super().load_state_dict(state_dict)
 
 
@@ -206,6 +235,27 @@ def _weak_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
         if optimizer is not None:
             optimizer._gs_hook(param)
     return hook
+
+
+def _reduction_groups(params: list[torch.Tensor], num_groups: int) -> dict:
+    """param -> (group index, the group's parameters): ``params`` in order, cut into ``num_groups``
+    contiguous groups as evenly as possible (the first ones one parameter larger); {} for 0."""
+    groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
+    start = 0
+    for index, count in enumerate(split_rows(len(params), num_groups) if num_groups else []):
+        members = tuple(params[start:start + count])
+        groups.update((param, (index, members)) for param in members)
+        start += count
+    return groups
+
+
+def _nothing() -> None:
+    """The wait of a parameter whose group is reduced (and waited for) through its last one."""
+
+
+def _call_all(waits: list[Callable[[], None]]) -> None:
+    for wait in waits:
+        wait()
 
 
 def _remove_hooks(hooks: list) -> None:
@@ -241,7 +291,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
                          gradient_predivide_factor: float = 1.0,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False, num_groups: int = 0) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
@@ -270,13 +320,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             number of ranks for Average): cheaper when few rows are touched. A rank on which such
             a parameter got no gradient in a step contributes dense zeros, which only matches the
             others with ``sparse_as_dense=True``.
+        num_groups: 0 (default): each gradient is allreduced on its own as soon as it is ready
+            (and fused with others that happen to be ready at the same time). N > 0: the
+            parameters, in the optimizer's order, are cut into N groups as evenly as possible, and
+            each group is reduced by one :func:`gradsync.grouped_allreduce_async_` (per gradient
+            dtype) once all its gradients are ready: fewer, larger, predictable fusion buffers, as
+            Horovod's ``num_groups``. Parameters added later with ``add_param_group`` are reduced
+            on their own.
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
             names, optimizer parameters missing from ``named_parameters``,
-            ``backward_passes_per_step < 1``, a predivide factor with an op other than Average, an
-            optimizer that is already distributed, or one whose ``step`` an LR scheduler created
-            before wrapping has already replaced.
+            ``backward_passes_per_step < 1``, ``num_groups < 0``, a predivide factor with an op
+            other than Average, an optimizer that is already distributed, or one whose ``step``
+            an LR scheduler created before wrapping has already replaced.
         NotInitializedError: before ``gradsync.init()``.
     """
     rank = runtime.get().rank
@@ -290,6 +347,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"gradsync: rank {rank}: backward_passes_per_step must be >= 1, got "
                          f"{backward_passes_per_step}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"gradsync: rank {rank}: num_groups must be an int >= 0 (0: no groups), "
+                         f"got {num_groups!r}")
     op = ReduceOp(op)
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"gradsync: rank {rank}: DistributedOptimizer reduces gradients with "
@@ -301,7 +361,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     optimizer.__class__ = _distributed_class(original)
     try:
         optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
-                                  float(gradient_predivide_factor), bool(sparse_as_dense))
+                                  float(gradient_predivide_factor), bool(sparse_as_dense),
+                                  num_groups)
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise
