@@ -78,8 +78,8 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
 def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, where: str | None = None):
     """Check the input of an allreduce or reducescatter (one member of a group, given ``where``);
-    return the runtime, the tensor's info, a Request without its name, and a function of the name
-    that makes the Entry."""
+    return the runtime, the tensor's dtype, the Request fields after kind and rank (dtype .. postscale)
+    and the Entry's (source, target, result)."""
     rt, adapter, info, where = _prepare(tensor, name, kind, where)
     try:
         op = ReduceOp(op)
@@ -93,20 +93,16 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
             raise ValueError(f"{where}: needs at least one dimension to scatter, got a 0-d tensor "
                              "(reshape it to (1,))")
         shape = (split_rows(shape[0], rt.size)[rt.rank],) + tuple(shape[1:])
-    source, target, result = _output(adapter, tensor, shape, in_place, where)
-    request = Request("", kind, rt.rank, info.dtype, info.shape, op, -1, prescale, postscale)
-
-    def entry(request_name: str, **fields) -> Entry:
-        named = request._replace(name=request_name, **fields)
-        return Entry(named, Handle(request_name), source, target, result)
-
-    return rt, info, entry
+    views = _output(adapter, tensor, shape, in_place, where)
+    return rt, info.dtype, (info.dtype, info.shape, op, -1, prescale, postscale), views
 
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, kind: Kind = Kind.ALLREDUCE) -> Handle:
-    rt, _, entry = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor, in_place)
-    return rt.coordinator.submit(entry(_name(rt, name, kind.name.lower())))
+    rt, _, fields, views = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor,
+                                      in_place)
+    name = _name(rt, name, kind.name.lower())
+    return rt.coordinator.submit(Entry(Request(name, kind, rt.rank, *fields), Handle(name), *views))
 
 
 def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
@@ -122,14 +118,14 @@ def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
         raise ValueError(f"{where}: the group is empty; pass at least one tensor")
     members = [_reduction(t, None, kind, op, prescale_factor, postscale_factor, in_place,
                           f"{where}, member {i}") for i, t in enumerate(tensors)]
-    dtypes_seen = [info.dtype for _, info, _ in members]
+    dtypes_seen = [dtype for _, dtype, _, _ in members]
     if len(set(dtypes_seen)) > 1:
         listed = ", ".join(f"member {i}: {d}" for i, d in enumerate(dtypes_seen))
         raise TypeError(f"{where}: every member of a group must have the same dtype (they are fused "
                         f"into one buffer); got {listed}")
     group = _name(rt, name, f"grouped_{kind.name.lower()}")
-    entries = [entry(f"{group}.{i}", group=group, group_size=len(members))
-               for i, (_, _, entry) in enumerate(members)]
+    entries = [Entry(Request(f"{group}.{i}", kind, rt.rank, *fields, (), group, len(members)),
+                     Handle(f"{group}.{i}"), *views) for i, (_, _, fields, views) in enumerate(members)]
     return GroupHandle(group, rt.coordinator.submit_group(entries))
 
 
