@@ -74,22 +74,28 @@ class TensorQueue:
             ValueError: a collective of the same name is still in flight on this rank.
             GradsyncError: the coordinator has stopped (the error says why).
         """
-        self.push_all([entry])
+        with self._cond:
+            self._check_free(entry)
+            self._in_flight.add(entry.request.name)
+            self._entries.append(entry)
+            self._cond.notify()
 
     def push_all(self, entries: list[Entry]) -> None:
         """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`."""
         with self._cond:
-            if self.closed_error is not None:
-                raise self.closed_error
             for entry in entries:
-                name = entry.request.name
-                if name in self._in_flight:
-                    raise ValueError(f"gradsync: rank {entry.request.rank}: a collective named "
-                                     f"{name!r} is still in flight; wait for its handle before "
-                                     "reusing the name")
+                self._check_free(entry)
             self._in_flight.update(entry.request.name for entry in entries)
             self._entries.extend(entries)
             self._cond.notify()
+
+    def _check_free(self, entry: Entry) -> None:
+        if self.closed_error is not None:
+            raise self.closed_error
+        name = entry.request.name
+        if name in self._in_flight:
+            raise ValueError(f"gradsync: rank {entry.request.rank}: a collective named {name!r} is "
+                             f"still in flight; wait for its handle before reusing the name")
 
     def request_shutdown(self) -> None:
         with self._cond:

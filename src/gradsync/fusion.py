@@ -47,8 +47,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
         if size > threshold:
             groups.append([request])
             continue
-        # dtype, op, prescale, postscale (the fields after them are equal for ungrouped allreduces)
-        key = request[3:4] + request[5:6] + request[7:]
+        key = request[3:4] + request[5:6] + request[7:9]  # dtype, op, prescale, postscale
         current = open_group.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(request)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Iterable
 
@@ -36,6 +37,7 @@ from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits
 from .stall_inspector import StallInspector
 
 _UNCACHED_FLAG, _SHUTDOWN_FLAG, _STALL_FLAG = 1, 2, 4
+_GROUP = operator.attrgetter("group")
 log = logging.getLogger("gradsync")
 
 # Fields on which every rank must agree, with the word used in error messages.
@@ -66,9 +68,11 @@ class MessageTable:
         messages = list(gathered)
         now = time.monotonic()
         joined_before = list(self.joined)
+        grouped = bool(self._held)
         for rank, message in enumerate(messages):
             if message.shutdown:
                 shutdown_ranks.append(rank)
+            grouped = grouped or any(map(_GROUP, message.requests))
             for request in message.requests:
                 slots = self._requests.get(request.name)
                 if slots is None:
@@ -83,7 +87,8 @@ class MessageTable:
             held = {name for members in self._held.values() for name in members}
             ready += [name for name, slots in self._requests.items()
                       if name not in ready and name not in held and self._ready(slots)]
-        responses = self._responses(self._whole_groups(ready) if self._has_groups(ready) else ready)
+            grouped = True  # what the join completed may hold group members
+        responses = self._responses(self._whole_groups(ready) if grouped else ready)
         stall_error = None
         if self.inspector is not None and any(m.stall for m in messages):
             stall_error = self._inspect(messages, now)
@@ -97,9 +102,6 @@ class MessageTable:
             return True
         kind = next(slot.kind for slot in slots if slot is not None)
         return kind != Kind.JOIN and all(p or r in self.joined for r, p in enumerate(present))
-
-    def _has_groups(self, ready: list[str]) -> bool:
-        return any(self._first(name).group for name in ready)
 
     def _first(self, name: str) -> Request:
         return next(slot for slot in self._requests[name] if slot is not None)
@@ -208,17 +210,14 @@ class MessageTable:
         return Response(first.kind, names, error=error)
 
 
-def _wholly_cached(lookups: list[tuple[Request, Lookup, int]]) -> set[str]:
-    """The groups among ``lookups`` (request, lookup state, bit) every member of which hit the cache."""
-    groups = {request.group for request, _, _ in lookups if request.group}
-    return groups - {request.group for request, state, _ in lookups if state is not Lookup.HIT}
-
-
 def _disagreement(slots: list[Request | None]) -> str | None:
     """An error message if the ranks' requests for one name disagree, else None (ranks that
     joined and did not submit it are left out)."""
     present = [(rank, r) for rank, r in enumerate(slots) if r is not None]
     first = present[0][1]
+    signature = first[:2] + first[3:]
+    if first.kind not in _VARIABLE_FIRST_DIM and all(r[:2] + r[3:] == signature for _, r in present):
+        return None  # the common case: equal but for the rank
     kind = first.kind.name.lower()
     for field, word in _AGREED_FIELDS:
         values = [(rank, getattr(r, field)) for rank, r in present]
@@ -278,24 +277,34 @@ class Negotiator:
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
         for (name, seconds waited), sent when a report is being made.
         """
-        if self._partial or any(request.group for request in requests):
+        if self._partial or any(map(_GROUP, requests)):
             requests = self._whole_groups(requests)
         if self.cache is None:
             self.full_cycles += 1
             return self._full(RankMessage(shutdown, requests, stall, pending() if stall else None))
         uncached, self._resend = self._resend, []
         invalid = 0
-        lookups = [(request, *self.cache.lookup(request)) for request in requests]
-        whole = _wholly_cached(lookups) if any(request.group for request in requests) else ()
-        for request, state, bit in lookups:
-            # A group is offered by its bits only if every member is cached, else all in full.
-            if state is Lookup.HIT and (not request.group or request.group in whole):
+        group_hits: list[tuple[Request, int]] = []
+        for request in requests:
+            state, bit = self.cache.lookup(request)
+            if state is Lookup.HIT:
+                if request.group:
+                    group_hits.append((request, bit))
+                    continue
                 self._ready_bits |= 1 << bit
                 self._waiting[bit] = request
                 continue
             if state is Lookup.INVALID:
                 invalid |= 1 << bit
             uncached.append(request)
+        if group_hits:  # a group is offered by its bits only if every member hit, else all in full
+            partial = {request.group for request in uncached if request.group}
+            for request, bit in group_hits:
+                if request.group in partial:
+                    uncached.append(request)
+                else:
+                    self._ready_bits |= 1 << bit
+                    self._waiting[bit] = request
         ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
             invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
         for bit in iter_bits(invalid):
