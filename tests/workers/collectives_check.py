@@ -36,7 +36,7 @@ from ops_check import (
 )
 
 import gradsync as gs
-from gradsync import Average, CollectiveError, Max, Min, Product, Sum
+from gradsync import Average, CollectiveError, Max, Min, Product, Sum, dtypes
 from gradsync.coordinator import Entry
 from gradsync.handles import Handle
 from gradsync.protocol import Kind, Request
@@ -227,9 +227,11 @@ def check_alltoall_non_contiguous_and_repeated() -> None:
 # ---- torch ---------------------------------------------------------------------------------------
 
 def check_torch() -> None:
+    """Every supported dtype as torch tensors: outputs are torch tensors of the input's dtype."""
     import torch
 
-    for dtype in ("float32", "bfloat16", "int64", "int8", "bool", "float16"):
+    assert set(DTYPES) == set(dtypes.SUPPORTED), "a supported dtype would go untested"
+    for dtype in dtypes.SUPPORTED:
         for op in (Sum, Average, Min, Max, Product):
             if not valid(dtype, op):
                 continue
