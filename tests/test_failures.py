@@ -4,7 +4,7 @@ import pytest
 
 from mpi_launch import run_mpi
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.torch]
 
 
 def test_exception_on_one_rank_releases_the_others():

@@ -1,6 +1,8 @@
 """Every public op of gradsync checked against an independent numpy reference.
 
-Run as ``mpiexec -n N python tests/workers/ops_check.py`` (tests/test_ops.py does, for N = 1, 2, 4).
+Run as ``mpiexec -n N python tests/workers/ops_check.py [SECTION ...]`` (tests/test_ops.py does, for
+N = 1, 2, 4). Without arguments every section but ``check_torch`` runs, on numpy arrays alone, and the
+job then checks that nothing imported torch; ``check_torch`` (torch tensors) runs when named.
 
 Each rank builds the inputs of *every* rank, from a numpy RNG seeded by (rank, case), so it can work
 out what each collective must return with numpy alone. The reference is written from the documented
@@ -740,6 +742,10 @@ SECTIONS = [
 ]
 
 
+#: The sections that need torch: they run only when named, so that the default run needs numpy alone.
+TORCH_SECTIONS = {check_torch}
+
+
 def main() -> None:
     global RANK, SIZE
     gs.init()
@@ -747,12 +753,17 @@ def main() -> None:
     only = set(sys.argv[1:])  # optional: names of sections to run
     unknown = only - {section.__name__ for section in SECTIONS}
     assert not unknown, f"no such sections: {sorted(unknown)}"
-    for section in SECTIONS:
-        if not only or section.__name__ in only:
-            section()
+    chosen = [s for s in SECTIONS if s.__name__ in only or (not only and s not in TORCH_SECTIONS)]
+    for section in chosen:
+        section()
     gs.barrier()
+    torch_note = ""
+    if not TORCH_SECTIONS & set(chosen):
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        expect(not loaded, f"every op ran on numpy arrays, yet torch was imported: {loaded[:5]}")
+        torch_note = "; torch not imported"
     # One write, so that mpiexec does not interleave it with another rank's line.
-    sys.stdout.write(f"ops_check rank {RANK}: {PASSED} cases passed\n")
+    sys.stdout.write(f"ops_check rank {RANK}: {PASSED} cases passed{torch_note}\n")
     sys.stdout.flush()
     gs.shutdown()
 
