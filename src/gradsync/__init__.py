@@ -20,6 +20,7 @@ import os as _os
 # initialises, which happens when a gradsync module first imports mpi4py.MPI: so, here, first.
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
+from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
 from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
 from .handles import Handle
 from .nccl import nccl_built, nccl_version
