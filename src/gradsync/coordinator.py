@@ -128,11 +128,13 @@ class Coordinator:
         self.world_ranks = world_ranks
         self.world_rank = world_ranks[self.rank] if world_ranks is not None else self.rank
         self.process_set_id = process_set_id
+        # The coordinators of this rank's other process sets (the runtime sets it), for stall reports.
+        self.neighbours: Callable[[], list[Coordinator]] = list
         self.queue = TensorQueue()
         self._backend = backend if backend is not None else MpiBackend(comm)
         self._buffers = fusion.FusionBuffers()
         _check_same_everywhere(comm, config)
-        self.negotiator = Negotiator(comm, config)
+        self.negotiator = Negotiator(comm, config, process_set_id)
         self._pending: dict[str, Entry] = {}
         self._join_divisor = config.join_divisor
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds)
@@ -226,9 +228,15 @@ class Coordinator:
         return ((name, e.submitted_ns) for name, e in self._pending.items()
                 if e.request.kind != Kind.JOIN)
 
-    def _pending_ages(self) -> tuple[tuple[str, float], ...]:
+    def _pending_ages(self) -> tuple[tuple[str, float, int | None], ...]:
+        """For a stall report: (name, seconds waited, None) of this set's pending collectives and
+        (name, 0.0, set id) of those pending on this rank's other process sets, so that a name
+        submitted to different sets by different ranks is reported as such."""
         now = time.perf_counter_ns()
-        return tuple((name, (now - ns) / 1e9) for name, ns in self._waited_on())
+        own = tuple((name, (now - ns) / 1e9, None) for name, ns in self._waited_on())
+        others = tuple((name, 0.0, other.process_set_id) for other in self.neighbours()
+                       if other is not self for name in list(other._pending))
+        return own + others
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:

@@ -133,6 +133,7 @@ class Runtime:
         self.process_sets: dict[int, tuple[ProcessSet, Coordinator | None, Any]] = {
             0: (global_process_set, self.coordinator, self.comm)}
         self._next_set_id = 1
+        self.coordinator.neighbours = self._coordinators
         log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
                   self.local_rank, self.local_size, self.cross_rank, self.cross_size,
                   self.backend.describe())
@@ -148,6 +149,9 @@ class Runtime:
             cross.Free()
             cross = None
         return MpiBackend(self.comm, local=local, cross=cross)
+
+    def _coordinators(self) -> list[Coordinator]:
+        return [state[1] for state in list(self.process_sets.values()) if state[1] is not None]
 
     def auto_name(self, kind: str, process_set_id: int = 0) -> str:
         """A name for an unnamed collective: the kind and how many unnamed ones of it came before
@@ -200,6 +204,7 @@ class Runtime:
         if member:
             coordinator = Coordinator(comm, self.config, backend=MpiBackend(comm),
                                       world_ranks=list(process_set.ranks), process_set_id=ident)
+            coordinator.neighbours = self._coordinators
         process_set.process_set_id = ident
         self.process_sets[ident] = (process_set, coordinator, comm)
         return process_set
