@@ -21,6 +21,7 @@ import os as _os
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
+from .compression import Compression, Compressor
 from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
 from .handles import Handle
 from .nccl import nccl_built, nccl_version
@@ -42,6 +43,7 @@ from .ops import (
     poll,
     synchronize,
 )
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .protocol import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     cross_rank,
@@ -74,8 +76,9 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "allgather", "allgather_async", "allgather_object", "barrier", "join", "synchronize", "poll",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
-    "nccl_built", "nccl_version",
+    "nccl_built", "nccl_version", "Compression", "Compressor",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
     *_TORCH_NAMES,
 ]

@@ -115,17 +115,26 @@ class TensorQueue:
 class Coordinator:
     """The background thread of one process; see the module docstring."""
 
-    def __init__(self, comm, config: Config, backend: MpiBackend | None = None) -> None:
+    def __init__(self, comm, config: Config, backend: MpiBackend | None = None,
+                 world_ranks: list[int] | None = None, process_set_id: int = 0) -> None:
         """Start the thread. ``comm`` is used for negotiation; ``backend`` moves the data
-        (default: an MpiBackend on ``comm``). Both belong to this thread alone from now on."""
+        (default: an MpiBackend on ``comm``). Both belong to this thread alone from now on.
+
+        For a process set other than the global one, ``world_ranks[i]`` is the world rank of the
+        set's rank ``i`` (messages name world ranks) and ``process_set_id`` its id."""
         self.comm = comm
-        self.rank = comm.Get_rank()
+        self.rank = comm.Get_rank()  # the rank inside this coordinator's process set
         self.size = comm.Get_size()
+        self.world_ranks = world_ranks
+        self.world_rank = world_ranks[self.rank] if world_ranks is not None else self.rank
+        self.process_set_id = process_set_id
+        # The coordinators of this rank's other process sets (the runtime sets it), for stall reports.
+        self.neighbours: Callable[[], list[Coordinator]] = list
         self.queue = TensorQueue()
         self._backend = backend if backend is not None else MpiBackend(comm)
         self._buffers = fusion.FusionBuffers()
         _check_same_everywhere(comm, config)
-        self.negotiator = Negotiator(comm, config)
+        self.negotiator = Negotiator(comm, config, process_set_id)
         self._pending: dict[str, Entry] = {}
         self._join_divisor = config.join_divisor
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds)
@@ -139,7 +148,10 @@ class Coordinator:
         if config.timeline:  # imported only when used, so `python -m gradsync.timeline` runs cleanly
             from .timeline import open_timeline
 
-            self.timeline = open_timeline(config.timeline, self.rank)
+            path = config.timeline
+            if process_set_id:  # one file per process set: each set has its own coordinator
+                path = f"{path}.set{process_set_id}"
+            self.timeline = open_timeline(path, self.world_rank)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
 
@@ -182,19 +194,33 @@ class Coordinator:
                     if proposal is not None:
                         self.negotiator.propose(proposal)
                 if reply.stall_error is not None:
-                    self._stop(StallError, reply.stall_error)
+                    self._stop(StallError, reply.stall_error + self._set_ranks_note())
                     return
                 if reply.shutdown_ranks:
-                    self._stop(ShutdownError, f"rank(s) {list(reply.shutdown_ranks)} called "
-                               "gradsync.shutdown() (or exited) first")
+                    ranks = [self._world(r) for r in reply.shutdown_ranks]
+                    what = ("gradsync.shutdown() (or exited)" if self.world_ranks is None else
+                            f"remove_process_set() on process set {self.process_set_id} or "
+                            "gradsync.shutdown() (or exited)")
+                    self._stop(ShutdownError, f"rank(s) {ranks} called {what} first")
                     return
         except BaseException as exc:  # the thread must never die silently
-            log.exception("gradsync: rank %d: coordinator failed", self.rank)
+            log.exception("gradsync: rank %d: coordinator failed", self.world_rank)
             self._stop(GradsyncError, f"the background coordinator failed: "
                        f"{type(exc).__name__}: {exc}", cause=exc)
         finally:
             if self.timeline is not None:
                 self.timeline.close()
+
+    def _world(self, rank: int) -> int:
+        return rank if self.world_ranks is None else self.world_ranks[rank]
+
+    def _set_ranks_note(self) -> str:
+        """For a process set: how the set's ranks in negotiation messages map to world ranks."""
+        if self.world_ranks is None:
+            return ""
+        mapping = ", ".join(f"{i}={r}" for i, r in enumerate(self.world_ranks))
+        return (f" (in process set {self.process_set_id}, whose ranks are numbered within the set; "
+                f"set rank=world rank: {mapping})")
 
     def _waited_on(self):
         """(name, submission time in ns) of the pending collectives a stall report is about; join()
@@ -202,19 +228,25 @@ class Coordinator:
         return ((name, e.submitted_ns) for name, e in self._pending.items()
                 if e.request.kind != Kind.JOIN)
 
-    def _pending_ages(self) -> tuple[tuple[str, float], ...]:
+    def _pending_ages(self) -> tuple[tuple[str, float, int | None], ...]:
+        """For a stall report: (name, seconds waited, None) of this set's pending collectives and
+        (name, 0.0, set id) of those pending on this rank's other process sets, so that a name
+        submitted to different sets by different ranks is reported as such."""
         now = time.perf_counter_ns()
-        return tuple((name, (now - ns) / 1e9) for name, ns in self._waited_on())
+        own = tuple((name, (now - ns) / 1e9, None) for name, ns in self._waited_on())
+        others = tuple((name, 0.0, other.process_set_id) for other in self.neighbours()
+                       if other is not self for name in list(other._pending))
+        return own + others
 
     def _stop(self, error_type: type[GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:
         """Refuse new work and fail every pending handle, each with a message naming its tensor."""
-        closed = error_type(f"gradsync: rank {self.rank}: gradsync has stopped: {reason}")
+        closed = error_type(f"gradsync: rank {self.world_rank}: gradsync has stopped: {reason}")
         closed.__cause__ = cause
         leftovers = self.queue.close(closed)
         for entry in list(self._pending.values()) + leftovers:
             request = entry.request
-            error = error_type(f"gradsync: rank {self.rank}: {request.kind.name.lower()} "
+            error = error_type(f"gradsync: rank {self.world_rank}: {request.kind.name.lower()} "
                                f"{request.name!r} did not complete: {reason}")
             error.__cause__ = cause
             entry.handle._set_error(error)
@@ -228,7 +260,8 @@ class Coordinator:
         phases: list[tuple[str, int]] = []
         try:
             if response.error is not None:
-                raise CollectiveError(f"gradsync: rank {self.rank}: {response.error}")
+                raise CollectiveError(f"gradsync: rank {self.world_rank}: {response.error}"
+                                      f"{self._set_ranks_note()}")
             if response.kind == Kind.ALLREDUCE:
                 divisor = self.size
                 if self._join_divisor == "contributors" and response.contributors:

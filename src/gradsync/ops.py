@@ -18,20 +18,23 @@ import numpy as np
 
 from . import dtypes, runtime
 from .arrays import adapter_for
-from .coordinator import Entry
+from .coordinator import Coordinator, Entry
 from .handles import Handle
+from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
 
 _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
 
-def _prepare(tensor: Any, name: str | None, kind: Kind):
-    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info and the label
-    that names it in errors. An unnamed op gets its name only once every check passed (_name), so a
-    call rejected on one rank does not shift the names of that rank's later unnamed ops."""
+def _prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet):
+    """Check ``tensor`` is something gradsync can move; return the process set's coordinator,
+    adapter, info and the label that names it in errors. An unnamed op gets its name only once every
+    check passed (_name), so a call rejected on one rank does not shift the names of that rank's
+    later unnamed ops."""
     rt = runtime.get()
     label = "(unnamed)" if name is None else repr(str(name))
     where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
+    coordinator = rt.coordinator_for(process_set, where)
     try:
         adapter = adapter_for(tensor, name)
         info = adapter.info(tensor)
@@ -42,7 +45,7 @@ def _prepare(tensor: Any, name: str | None, kind: Kind):
     if info.device != "cpu":
         raise TypeError(f"{where}: the tensor is on {info.device}; this version of gradsync "
                         "moves host (CPU) memory only")
-    return rt, adapter, info, where
+    return coordinator, adapter, info, where
 
 
 def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str):
@@ -57,8 +60,27 @@ def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
     return source, adapter.host_view(result), result
 
 
-def _name(rt: runtime.Runtime, name: str | None, kind: str) -> str:
-    return rt.auto_name(kind) if name is None else str(name)
+def _name(coordinator: Coordinator, name: str | None, kind: str) -> str:
+    if name is not None:
+        return str(name)
+    return runtime.get().auto_name(kind, coordinator.process_set_id)
+
+
+def _root(coordinator: Coordinator, root_rank: Any, where: str) -> int:
+    """``root_rank`` (a world rank) as a rank of the coordinator's process set.
+
+    Raises:
+        ValueError: not an integer rank of the set (the message lists the set's ranks).
+    """
+    ranks = list(coordinator.world_ranks or range(coordinator.size))
+    if isinstance(root_rank, (int, np.integer)) and not isinstance(root_rank, bool):
+        if root_rank in ranks:
+            return ranks.index(int(root_rank))
+    if coordinator.world_ranks is None:
+        raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
+                         f"(0 .. {coordinator.size - 1})")
+    raise ValueError(f"{where}: root_rank={root_rank!r} is not a member of process set "
+                     f"{coordinator.process_set_id} (world ranks {coordinator.world_ranks})")
 
 
 def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, postscale: float):
@@ -71,8 +93,8 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
 
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
-               postscale_factor: float, in_place: bool) -> Handle:
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLREDUCE)
+               postscale_factor: float, in_place: bool, process_set: ProcessSet) -> Handle:
+    coordinator, adapter, info, where = _prepare(tensor, name, Kind.ALLREDUCE, process_set)
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -80,14 +102,15 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
     source, target, result = _output(adapter, tensor, info.shape, in_place, where)
-    name = _name(rt, name, "allreduce")
-    request = Request(name, Kind.ALLREDUCE, rt.rank, info.dtype, info.shape, op, -1,
+    name = _name(coordinator, name, "allreduce")
+    request = Request(name, Kind.ALLREDUCE, coordinator.rank, info.dtype, info.shape, op, -1,
                       prescale, postscale)
-    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+    return coordinator.submit(Entry(request, Handle(name), source, target, result))
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of ``tensor`` into a new tensor; same semantics as MPI_Allreduce.
 
     Args:
@@ -98,6 +121,7 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
         prescale_factor: multiplies the input before the reduction (floating dtypes only).
         postscale_factor: multiplies the result after it (floating dtypes only).
+        process_set: the ranks that take part (default: every rank); Average divides by its size.
 
     Returns:
         A handle; :func:`synchronize` returns a new tensor of the same type, shape and dtype.
@@ -107,79 +131,92 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         NotInitializedError: before ``init()``.
         TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
             integer tensor. The message names the tensor and the rank.
-        ValueError: unknown ``op``; a collective of that name still in flight on this rank.
+        ValueError: unknown ``op``; a collective of that name still in flight on this rank;
+            ``process_set`` not registered or this rank not a member of it.
         CollectiveError (from synchronize): ranks disagreed on dtype, shape, op or factors; the
             message lists each rank's value.
     """
-    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, in_place=False)
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, process_set)
 
 
 def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place form of :func:`allreduce_async`: the result is written into ``tensor`` itself.
 
     Do not read or write ``tensor`` until the handle completes. Same arguments and errors as
     :func:`allreduce_async`, plus ValueError for a read-only array.
     """
-    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, in_place=True)
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, True, process_set)
 
 
 def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async`: returns the reduced tensor (a new one)."""
-    return synchronize(allreduce_async(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
+                                       process_set))
 
 
 def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async_`: reduces ``tensor`` in place and returns it."""
-    return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
+                                        process_set))
 
 
-def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) -> Handle:
-    rt, adapter, info, where = _prepare(tensor, name, Kind.BROADCAST)
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
-        raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
-                         f"(0 .. {rt.size - 1})")
+def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool,
+               process_set: ProcessSet) -> Handle:
+    coordinator, adapter, info, where = _prepare(tensor, name, Kind.BROADCAST, process_set)
+    root = _root(coordinator, root_rank, where)
     source, target, result = _output(adapter, tensor, info.shape, in_place, where)
-    name = _name(rt, name, "broadcast")
-    request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank))
-    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+    name = _name(coordinator, name, "broadcast")
+    request = Request(name, Kind.BROADCAST, coordinator.rank, info.dtype, info.shape, root=root)
+    return coordinator.submit(Entry(request, Handle(name), source, target, result))
 
 
-def broadcast_async(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor on every rank.
 
     Same semantics as MPI_Bcast. ``tensor`` must have the same shape and dtype on every rank (its
-    contents matter on the root only).
+    contents matter on the root only). ``root_rank`` is a world rank; with ``process_set`` it must
+    be a member, and only the set's members take part.
 
     Raises:
-        ValueError: ``root_rank`` outside 0 .. size()-1 (checked before anything is sent).
+        ValueError: ``root_rank`` outside 0 .. size()-1 or outside ``process_set`` (checked before
+            anything is sent); ``process_set`` not registered or this rank not in it.
         TypeError, NotInitializedError, CollectiveError: as :func:`allreduce_async`.
     """
-    return _broadcast(tensor, root_rank, name, in_place=False)
+    return _broadcast(tensor, root_rank, name, False, process_set)
 
 
-def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`: ``tensor`` receives the root's values on every rank."""
-    return _broadcast(tensor, root_rank, name, in_place=True)
+    return _broadcast(tensor, root_rank, name, True, process_set)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async`: returns a new tensor holding the root's values."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async_`: overwrites ``tensor`` with the root's values, returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def allgather_async(tensor: Any, name: str | None = None) -> Handle:
+def allgather_async(tensor: Any, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather: the ranks' tensors concatenated along dimension 0, in rank order.
 
     Same semantics as MPI_Allgatherv. ``tensor`` must have at least one dimension; the first
-    dimension may differ between ranks, the others and the dtype must match.
+    dimension may differ between ranks, the others and the dtype must match. With ``process_set``,
+    only its members' tensors are gathered, in the order of their world ranks.
 
     Returns:
         A handle; :func:`synchronize` returns a new tensor of shape
@@ -188,7 +225,7 @@ def allgather_async(tensor: Any, name: str | None = None) -> Handle:
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLGATHER)
+    coordinator, adapter, info, where = _prepare(tensor, name, Kind.ALLGATHER, process_set)
     if len(info.shape) == 0:
         raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
                          "to (1,))")
@@ -197,30 +234,40 @@ def allgather_async(tensor: Any, name: str | None = None) -> Handle:
         result = adapter.empty(tensor, shape)
         return result, adapter.host_view(result)
 
-    name = _name(rt, name, "allgather")
-    request = Request(name, Kind.ALLGATHER, rt.rank, info.dtype, info.shape)
+    name = _name(coordinator, name, "allgather")
+    request = Request(name, Kind.ALLGATHER, coordinator.rank, info.dtype, info.shape)
     entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
-    return rt.coordinator.submit(entry)
+    return coordinator.submit(entry)
 
 
-def allgather(tensor: Any, name: str | None = None) -> Any:
+def allgather(tensor: Any, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allgather_async`: returns the concatenated tensor."""
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def barrier(name: str | None = None) -> None:
-    """Block until every rank has called barrier (same semantics as MPI_Barrier).
+def barrier(name: str | None = None, process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of ``process_set``) has called barrier (same semantics as MPI_Barrier).
 
     Goes through the coordinator, so it is ordered with the collectives submitted before it.
+
+    Raises:
+        ValueError: ``process_set`` not registered or this rank not in it.
     """
+    _control(Kind.BARRIER, name, process_set)
+
+
+def _control(kind: Kind, name: str | None, process_set: ProcessSet) -> Any:
+    """Submit a collective that moves no data (barrier, join) and wait for it."""
     rt = runtime.get()
-    name = _name(rt, name, "barrier")
-    request = Request(name, Kind.BARRIER, rt.rank, "uint8", ())
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: {kind.name.lower()}")
+    name = _name(coordinator, name, kind.name.lower())
+    request = Request(name, kind, coordinator.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
-    synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+    return synchronize(coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
 
 
-def join() -> int:
+def join(process_set: ProcessSet = global_process_set) -> int:
     """Declare that this rank has no more data; block until every rank has joined.
 
     Until then this rank keeps taking part in the other ranks' collectives without submitting any:
@@ -232,45 +279,51 @@ def join() -> int:
     Same semantics as ``horovod.torch.join()``; use it for uneven inputs (ranks with different
     numbers of batches). Every rank must call it, the same number of times.
 
+    With ``process_set``, only its members join, and only its collectives see this rank as joined.
+
     Returns:
-        The rank that joined last (the same on every rank).
+        The rank that joined last (the same on every rank; a world rank).
 
     Raises:
         NotInitializedError: before ``init()``. ShutdownError, StallError: gradsync stopped meanwhile.
+        ValueError: ``process_set`` not registered or this rank not in it.
     """
     rt = runtime.get()
-    name = _name(rt, None, "join")
-    request = Request(name, Kind.JOIN, rt.rank, "uint8", ())
-    empty = np.empty(0, np.uint8)
-    return synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+    last = _control(Kind.JOIN, None, process_set)
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: join")
+    return coordinator.world_ranks[last] if coordinator.world_ranks is not None else last
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Broadcast any picklable object from ``root_rank``; returns the root's object on every rank.
 
     The object is pickled on the root (arguments on other ranks are ignored), its size broadcast,
     then its bytes. Same errors as :func:`broadcast`; unpickling errors propagate.
     """
     rt = runtime.get()
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
-        raise ValueError(f"gradsync: rank {rt.rank}: broadcast_object: root_rank={root_rank!r} is "
-                         f"not a rank of this job (0 .. {rt.size - 1})")
-    name = _name(rt, name, "broadcast_object")
+    where = f"gradsync: rank {rt.rank}: broadcast_object"
+    coordinator = rt.coordinator_for(process_set, where)
+    _root(coordinator, root_rank, where)
+    name = _name(coordinator, name, "broadcast_object")
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rt.rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], np.int64)
-    broadcast_(length, root_rank, name=f"{name}.size")
+    broadcast_(length, root_rank, name=f"{name}.size", process_set=process_set)
     data = payload.copy() if payload is not None else np.empty(int(length[0]), np.uint8)
-    broadcast_(data, root_rank, name=f"{name}.data")
+    broadcast_(data, root_rank, name=f"{name}.data", process_set=process_set)
     return obj if rt.rank == root_rank else pickle.loads(data.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Gather any picklable object from every rank; returns the list indexed by rank, on every rank."""
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Gather any picklable object from every rank (of ``process_set``); returns the list in rank
+    order, on every rank. Same errors as :func:`allgather`."""
     rt = runtime.get()
-    name = _name(rt, name, "allgather_object")
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: allgather_object")
+    name = _name(coordinator, name, "allgather_object")
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = allgather(np.array([payload.size], np.int64), name=f"{name}.size")
-    data = allgather(payload.copy(), name=f"{name}.data")
+    sizes = allgather(np.array([payload.size], np.int64), name=f"{name}.size", process_set=process_set)
+    data = allgather(payload.copy(), name=f"{name}.data", process_set=process_set)
     bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
     return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
 

@@ -82,13 +82,14 @@ class RankMessage(NamedTuple):
     """What one rank sends rank 0 in a full negotiation cycle.
 
     ``stall``: this rank asks for a stall report; ``pending``: when sent, every collective this rank
-    is waiting for, with the seconds it has waited.
+    is waiting for, as (name, seconds waited, None), and those it waits for on its other process
+    sets, as (name, 0.0, process set id).
     """
 
     shutdown: bool
     requests: list[Request]
     stall: bool = False
-    pending: tuple[tuple[str, float], ...] | None = None
+    pending: tuple[tuple[str, float, int | None], ...] | None = None
 
 
 class CycleReply(NamedTuple):

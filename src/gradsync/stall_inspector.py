@@ -55,18 +55,23 @@ class StallClock:
 class StallInspector:
     """Rank 0's report builder."""
 
-    def __init__(self, size: int, check_time: float, shutdown_time: float) -> None:
+    def __init__(self, size: int, check_time: float, shutdown_time: float,
+                 process_set_id: int = 0) -> None:
         self.size = size
+        self.process_set_id = process_set_id
         self.check_time = check_time
         self.shutdown_time = shutdown_time
 
-    def inspect(self, submitted: dict[str, set[int]], ages: dict[str, float]) -> tuple[str | None, bool]:
+    def inspect(self, submitted: dict[str, set[int]], ages: dict[str, float],
+                elsewhere: dict[str, dict[int, int]] | None = None) -> tuple[str | None, bool]:
         """The report on names waited on for at least the check time, and whether to shut down.
 
         Args:
             submitted: name -> the ranks known to have submitted it.
             ages: name -> seconds the oldest of its submissions has waited.
+            elsewhere: name -> {rank: id of another process set on which that rank submitted it}.
         """
+        elsewhere = elsewhere or {}
         stalled = sorted((n for n, ranks in submitted.items()
                           if len(ranks) < self.size and ages.get(n, 0.0) >= self.check_time),
                          key=lambda n: -ages[n])
@@ -77,8 +82,14 @@ class StallInspector:
         for name in stalled[:50]:
             have = sorted(submitted[name])
             missing = sorted(set(range(self.size)) - set(have))
-            lines.append(f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) {have}, "
-                         f"missing on rank(s) {missing}")
+            line = (f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) {have}, "
+                    f"missing on rank(s) {missing}")
+            other_sets = elsewhere.get(name, {})
+            if other_sets:
+                line += "; ranks disagree on process set: " + ", ".join(
+                    [f"rank {r}: process set {self.process_set_id}" for r in have]
+                    + [f"rank {r}: process set {other_sets[r]}" for r in missing if r in other_sets])
+            lines.append(line)
         if len(stalled) > 50:
             lines.append(f"  ... and {len(stalled) - 50} more")
         lines.append("Every rank must submit the same collectives (same names); a rank that is missing "

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from .. import ops, runtime
+from ..compression import Compression, Compressor
+from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 
 
@@ -18,9 +20,12 @@ class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
-                        gradient_predivide_factor: float, sparse_as_dense: bool) -> None:
+                        gradient_predivide_factor: float, sparse_as_dense: bool,
+                        compression: Compressor, process_set: ProcessSet) -> None:
         self._gs_rank = runtime.get().rank
-        self._gs_size = runtime.get().size
+        self._gs_process_set = process_set
+        self._gs_size = process_set.size()
+        self._gs_compression = compression
         self._gs_sparse_as_dense = sparse_as_dense
         self._gs_op = op
         self._gs_prescale = 1.0 / gradient_predivide_factor
@@ -35,7 +40,8 @@ class _DistributedOptimizer:
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
-        self._gs_timeline = runtime.get().coordinator.timeline
+        self._gs_timeline = runtime.get().coordinator_for(
+            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer").timeline
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
         for group in self.param_groups:
@@ -95,17 +101,28 @@ class _DistributedOptimizer:
                 self._gs_handles[param] = self._gs_sparse_allgather(param, name)
                 return
             param.grad = param.grad.to_dense()
-        handle = ops.allreduce_async_(param.grad, name=name, op=self._gs_op,
+        compressed, context = self._gs_compression.compress(param.grad)
+        handle = ops.allreduce_async_(compressed, name=name, op=self._gs_op,
                                       prescale_factor=self._gs_prescale,
-                                      postscale_factor=self._gs_postscale)
-        self._gs_handles[param] = functools.partial(ops.synchronize, handle)
+                                      postscale_factor=self._gs_postscale,
+                                      process_set=self._gs_process_set)
+        if compressed is param.grad:
+            self._gs_handles[param] = functools.partial(ops.synchronize, handle)
+            return
+
+        def finish() -> None:  # decompress after the allreduce, into the gradient itself
+            param.grad.copy_(self._gs_compression.decompress(ops.synchronize(handle), context))
+
+        self._gs_handles[param] = finish
 
     def _gs_sparse_allgather(self, param: torch.Tensor, name: str) -> Callable[[], None]:
         """Start the allgather of a sparse gradient's indices and values; the returned function
         waits and sets param.grad to their sum over ranks (divided by size for Average)."""
         grad = param.grad.coalesce()
-        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices")
-        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values")
+        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
+                                      process_set=self._gs_process_set)
+        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values",
+                                     process_set=self._gs_process_set)
 
         def finish() -> None:
             gathered = ops.synchronize(values)
@@ -241,7 +258,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
                          gradient_predivide_factor: float = 1.0,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         compression: Compressor = Compression.none,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
@@ -270,13 +289,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             number of ranks for Average): cheaper when few rows are touched. A rank on which such
             a parameter got no gradient in a step contributes dense zeros, which only matches the
             others with ``sparse_as_dense=True``.
+        compression: how gradients travel: ``gradsync.Compression.none`` (default), ``.fp16`` or
+            ``.bf16`` (float32/float64 gradients are cast to 16 bits before fusion and back after
+            the allreduce), or any object with ``compress``/``decompress``
+            (:class:`gradsync.compression.Compressor`). Sparse gradients are not compressed.
+        process_set: the ranks among which gradients are averaged (default: every rank); Average
+            divides by its size. Only its members may create the optimizer.
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
             names, optimizer parameters missing from ``named_parameters``,
             ``backward_passes_per_step < 1``, a predivide factor with an op other than Average, an
             optimizer that is already distributed, or one whose ``step`` an LR scheduler created
-            before wrapping has already replaced.
+            before wrapping has already replaced; a ``process_set`` that is not registered or
+            does not contain this rank.
+        TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
     """
     rank = runtime.get().rank
@@ -297,11 +324,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
+                        "decompress() methods (see gradsync.Compression)")
     original = type(optimizer)
     optimizer.__class__ = _distributed_class(original)
     try:
         optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
-                                  float(gradient_predivide_factor), bool(sparse_as_dense))
+                                  float(gradient_predivide_factor), bool(sparse_as_dense),
+                                  compression, process_set)
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise
