@@ -20,7 +20,14 @@ import os as _os
 # initialises, which happens when a gradsync module first imports mpi4py.MPI: so, here, first.
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
-from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
+from .errors import (
+    CollectiveError,
+    GradsyncError,
+    NotInitializedError,
+    RankFailureError,
+    ShutdownError,
+    StallError,
+)
 from .handles import Handle
 from .nccl import nccl_built, nccl_version
 from .ops import (
@@ -76,5 +83,6 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
     "nccl_built", "nccl_version",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
+    "RankFailureError",
     *_TORCH_NAMES,
 ]

@@ -226,11 +226,19 @@ def shutdown() -> None:
     Waits up to ``GRADSYNC_SHUTDOWN_TIMEOUT`` seconds for the other ranks to reach shutdown (or to
     submit anything). Safe to call twice, and called automatically at interpreter exit. ``init()``
     may be called again afterwards. Does not finalise MPI (mpi4py does that at exit).
+
+    After a rank was lost or a coordinator failed (:class:`~gradsync.RankFailureError`, or the
+    "background coordinator failed" error), MPI cannot finish cleanly: ``MPI_Finalize`` would wait
+    for the lost rank forever. Then shutdown logs why and calls ``MPI_Abort(MPI_COMM_WORLD, 1)``,
+    which ends this process and the job with a non-zero exit status; standard output and error are
+    flushed first.
     """
     global _runtime
     runtime, _runtime = _runtime, None
     if runtime is None or runtime.pid != os.getpid():
         return
+    if runtime.coordinator.failure is not None:
+        _abort(runtime)
     if runtime.coordinator.shutdown(runtime.config.shutdown_timeout):
         runtime.backend.close()
         runtime.comm.Free()
@@ -238,6 +246,22 @@ def shutdown() -> None:
         log.warning("gradsync: rank %d: the other ranks did not reach shutdown within %.0f s; "
                     "leaving the coordinator thread behind", runtime.rank,
                     runtime.config.shutdown_timeout)
+
+
+def _abort(runtime: Runtime) -> None:
+    log.error("gradsync: rank %d: aborting the MPI job (exit status 1) because gradsync stopped with: %s",
+              runtime.rank, runtime.coordinator.failure)
+    for stream in (sys.stdout, sys.stderr):  # MPI_Abort ends the process without flushing them
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to save
+            pass
+    from mpi4py import MPI
+
+    # COMM_WORLD, not gradsync's communicator: MPICH's MPI_Abort on any other communicator ends only
+    # the calling process, and a launcher that does not clean up would then keep the job running.
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # MPI_Abort does not return; should an MPI let it, still end here
 
 
 def get() -> Runtime:
