@@ -22,7 +22,14 @@ _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
 from .compression import Compression, Compressor
-from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
+from .errors import (
+    CollectiveError,
+    GradsyncError,
+    NotInitializedError,
+    RankFailureError,
+    ShutdownError,
+    StallError,
+)
 from .handles import Handle
 from .nccl import nccl_built, nccl_version
 from .ops import (
@@ -80,5 +87,6 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle",
     "nccl_built", "nccl_version", "Compression", "Compressor",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
+    "RankFailureError",
     *_TORCH_NAMES,
 ]

@@ -10,11 +10,16 @@ PERF-NOTES.md fact 3), wakes at once when a request is queued, and runs *cycles*
 
 While some of its requests still wait for other ranks it cycles again after ``cycle_time`` ms (or at
 once on a new request). Only this thread touches its communicator.
+
+With rank failure detection on, it records when it entered each cycle and each collective
+(:attr:`Coordinator.busy`), which the watchdog of :mod:`gradsync.liveness` reads to tell a rank that
+died or hung from one that is merely slow.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -27,9 +32,10 @@ import numpy as np
 from . import dtypes, fusion
 from .autotune import Autotuner
 from .backends.mpi import MpiBackend
-from .config import Config
-from .errors import CollectiveError, GradsyncError, ShutdownError, StallError
+from .config import Config, injected_fault
+from .errors import CollectiveError, GradsyncError, RankFailureError, ShutdownError, StallError
 from .handles import Handle
+from .liveness import LivenessTiming, Watchdog
 from .negotiation import Negotiator
 from .protocol import Kind, ReduceOp, Request, Response
 from .stall_inspector import StallClock, heartbeat_interval
@@ -104,11 +110,12 @@ class TensorQueue:
             self._in_flight.difference_update(names)
 
     def close(self, error: BaseException) -> list[Entry]:
-        """Refuse further entries with ``error``; return those still queued."""
+        """Refuse further entries with ``error``, wake the coordinator; return those still queued."""
         with self._cond:
             self.closed_error = error
             entries, self._entries = self._entries, []
             self._in_flight.clear()
+            self._cond.notify()
             return entries
 
 
@@ -136,8 +143,17 @@ class Coordinator:
         _check_same_everywhere(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id)
         self._pending: dict[str, Entry] = {}
+        self._executing: list[Entry] = []  # the entries of the response being carried out
         self._join_divisor = config.join_divisor
-        self._heartbeat = heartbeat_interval(config.stall_check_time_seconds)
+        failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
+        self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
+        # (time.monotonic() at entry, what) while inside a cycle or a collective; read by the watchdog.
+        self.busy: tuple[float, object] | None = None
+        self.failure: str | None = None  # why gradsync stopped, when MPI can no longer finish cleanly
+        fault = injected_fault()
+        injected_here = fault is not None and fault[1] == self.world_rank and world_ranks is None
+        self._fault_cycle = fault[2] if injected_here else 0
+        self._cycles = 0
         self._stall_clock = StallClock(config.stall_check_time_seconds,
                                        config.stall_shutdown_time_seconds)
         self._autotuner = None
@@ -152,6 +168,11 @@ class Coordinator:
             if process_set_id:  # one file per process set: each set has its own coordinator
                 path = f"{path}.set{process_set_id}"
             self.timeline = open_timeline(path, self.world_rank)
+        self._watchdog = None
+        if failure_timeout > 0:
+            timing = LivenessTiming.from_timeout(failure_timeout, self._heartbeat)
+            self._watchdog = Watchdog(comm.Dup(), timing, lambda: self.busy, self._lost,
+                                      world_ranks=world_ranks)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
 
@@ -162,10 +183,18 @@ class Coordinator:
         return entry.handle
 
     def shutdown(self, timeout: float) -> bool:
-        """Ask every rank to stop, wait up to ``timeout`` seconds; True if the thread ended."""
+        """Ask every rank to stop, wait up to ``timeout`` seconds; True if the thread ended.
+
+        After a failure (:attr:`failure` set) it returns False at once: the thread may be blocked
+        in MPI for good, waiting for a lost rank."""
         self.queue.request_shutdown()
+        if self.failure is not None:
+            return False
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        ended = not self._thread.is_alive()
+        if ended and self._watchdog is not None and self.failure is None:
+            self._watchdog.stop()
+        return ended
 
     # ---- coordinator thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -173,22 +202,33 @@ class Coordinator:
             while True:
                 timeout = self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
                 entries, shutdown = self.queue.wait(timeout)
+                if self.failure is not None:  # the watchdog stopped gradsync: run no more collectives
+                    return
                 for entry in entries:
                     self._pending[entry.request.name] = entry
+                self._cycles += 1
+                if self._cycles == self._fault_cycle:
+                    raise RuntimeError(f"fault injected by GRADSYNC_TEST_FAULT at cycle {self._cycles}")
                 started_ns = time.perf_counter_ns()
                 stall = False
                 if self._stall_clock.check_time > 0:
                     oldest = min((ns for _, ns in self._waited_on()), default=None)
                     stall = self._stall_clock.due(None if oldest is None else oldest / 1e9,
                                                   started_ns / 1e9)
+                self.busy = (time.monotonic(), "a negotiation cycle")
                 reply = self.negotiator.cycle([e.request for e in entries], shutdown, stall,
                                               self._pending_ages)
+                self.busy = None
                 replied_ns = time.perf_counter_ns()
                 if self.timeline is not None and (entries or reply.responses):
                     self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
                                                                "responses": len(reply.responses)})
                 for response in reply.responses:
+                    self.busy = (time.monotonic(), _Described(response))
                     self._execute(response, replied_ns)
+                    self.busy = None
+                    if self.failure is not None:
+                        return
                 if self._autotuner is not None:
                     proposal = self._autotuner.poll()
                     if proposal is not None:
@@ -205,8 +245,15 @@ class Coordinator:
                     return
         except BaseException as exc:  # the thread must never die silently
             log.exception("gradsync: rank %d: coordinator failed", self.world_rank)
-            self._stop(GradsyncError, f"the background coordinator failed: "
-                       f"{type(exc).__name__}: {exc}", cause=exc)
+            self.busy = None
+            if self.failure is not None:  # the watchdog's verdict came first and already said why
+                return
+            what = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.failure = f"the background coordinator failed: {what}"
+            self._stop(GradsyncError, self.failure, cause=exc)
+            if self._watchdog is not None:  # the others would wait for this rank: tell them now
+                self._watchdog.announce((self.rank,), f"rank {self.world_rank}'s background coordinator "
+                                        f"failed: {what}")
         finally:
             if self.timeline is not None:
                 self.timeline.close()
@@ -238,13 +285,20 @@ class Coordinator:
                        if other is not self for name in list(other._pending))
         return own + others
 
-    def _stop(self, error_type: type[GradsyncError], reason: str,
+    def _lost(self, lost: tuple[int, ...], reason: str) -> None:
+        """The watchdog's verdict (on its thread): fail everything here with RankFailureError."""
+        log.error("gradsync: rank %d: %s", self.world_rank, reason)
+        self.failure = reason
+        lost = tuple(self._world(r) for r in lost)
+        self._stop(functools.partial(RankFailureError, lost_ranks=lost), reason)
+
+    def _stop(self, error_type: Callable[[str], GradsyncError], reason: str,
               cause: BaseException | None = None) -> None:
         """Refuse new work and fail every pending handle, each with a message naming its tensor."""
         closed = error_type(f"gradsync: rank {self.world_rank}: gradsync has stopped: {reason}")
         closed.__cause__ = cause
         leftovers = self.queue.close(closed)
-        for entry in list(self._pending.values()) + leftovers:
+        for entry in list(self._pending.values()) + list(self._executing) + leftovers:
             request = entry.request
             error = error_type(f"gradsync: rank {self.world_rank}: {request.kind.name.lower()} "
                                f"{request.name!r} did not complete: {reason}")
@@ -256,6 +310,7 @@ class Coordinator:
         stand_ins = dict(zip(response.names, response.requests))
         entries = [self._pending.pop(name, None) or _stand_in(stand_ins[name])
                    for name in response.names]
+        self._executing = entries
         started_ns = time.perf_counter_ns()
         phases: list[tuple[str, int]] = []
         try:
@@ -284,6 +339,7 @@ class Coordinator:
             if self._autotuner is not None and response.kind == Kind.ALLREDUCE:
                 self._autotuner.record(sum(entry.source.nbytes for entry in entries))
         finally:
+            self._executing = []
             self.queue.finished(list(response.names))
             if self.timeline is not None:
                 self._record(entries, replied_ns, started_ns, phases)
@@ -362,13 +418,30 @@ class Coordinator:
 
 def _check_same_everywhere(comm, config: Config) -> None:
     """Settings that every rank must share (each rank plans cached fusion by itself)."""
-    mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor)
+    mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
+            config.rank_failure_timeout_seconds)
     everyone = comm.allgather(mine)
     if any(values != mine for values in everyone):
-        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}"
-                           for r, (t, c, j) in enumerate(everyone))
-        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY and "
-                            f"GRADSYNC_JOIN_DIVISOR must be the same on every rank; got {listed}")
+        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
+                           f"rank_failure_timeout_seconds={f:g}" for r, (t, c, j, f) in enumerate(everyone))
+        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
+                            f"GRADSYNC_JOIN_DIVISOR and GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS must be the "
+                            f"same on every rank; got {listed}")
+
+
+class _Described:
+    """A response, described in words only when a failure report needs it (the hot path stores it
+    as is)."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+    def __str__(self) -> str:
+        names = ", ".join(repr(n) for n in self.response.names[:3])
+        more = f" and {len(self.response.names) - 3} more" if len(self.response.names) > 3 else ""
+        return f"{self.response.kind.name.lower()} {names}{more}"
 
 
 _IDENTITY = {ReduceOp.Average: "zero", ReduceOp.Sum: "zero", ReduceOp.Product: "one",

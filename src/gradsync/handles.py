@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+_COMPLETING = threading.Lock()
+
 
 class Handle:
     """The pending result of one asynchronous collective (returned by the ``*_async`` ops).
@@ -35,6 +37,8 @@ class Handle:
             TimeoutError: ``timeout`` passed first (the collective stays pending).
             gradsync.CollectiveError, gradsync.ShutdownError: the collective failed; the message
                 names the tensor and the rank.
+            gradsync.RankFailureError: another rank was lost (died, hung, or its coordinator
+                failed); the message names it.
         """
         if not self._event.wait(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
@@ -43,12 +47,16 @@ class Handle:
         return self._result
 
     def _set_result(self, result: Any) -> None:
-        self._result = result
-        self._event.set()
+        with _COMPLETING:  # the first completion wins: the watchdog may fail a handle concurrently
+            if not self._event.is_set():
+                self._result = result
+                self._event.set()
 
     def _set_error(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
+        with _COMPLETING:
+            if not self._event.is_set():
+                self._error = error
+                self._event.set()
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done() else "pending")

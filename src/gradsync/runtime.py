@@ -308,11 +308,21 @@ def shutdown() -> None:
     Waits up to ``GRADSYNC_SHUTDOWN_TIMEOUT`` seconds for the other ranks to reach shutdown (or to
     submit anything). Safe to call twice, and called automatically at interpreter exit. ``init()``
     may be called again afterwards. Does not finalise MPI (mpi4py does that at exit).
+
+    After a rank was lost or a coordinator failed (:class:`~gradsync.RankFailureError`, or the
+    "background coordinator failed" error), MPI cannot finish cleanly: ``MPI_Finalize`` would wait
+    for the lost rank forever. Then shutdown logs why and calls ``MPI_Abort(MPI_COMM_WORLD, 1)``,
+    which ends this process and the job with a non-zero exit status; standard output and error are
+    flushed first.
     """
     global _runtime
     runtime, _runtime = _runtime, None
     if runtime is None or runtime.pid != os.getpid():
         return
+    failures = [state[1].failure for state in runtime.process_sets.values()
+                if state[1] is not None and state[1].failure is not None]
+    if failures:
+        _abort(runtime, failures[0])
     for ident, (process_set, coordinator, comm) in sorted(runtime.process_sets.items(), reverse=True):
         process_set.process_set_id = None if ident else 0
         _stop_coordinator(runtime, coordinator, comm, runtime.backend if ident == 0 else None)
@@ -332,6 +342,22 @@ def _stop_coordinator(runtime: Runtime, coordinator: Coordinator | None, comm, b
         log.warning("gradsync: rank %d: the other ranks did not reach shutdown within %.0f s; "
                     "leaving the coordinator thread behind", runtime.rank,
                     runtime.config.shutdown_timeout)
+
+
+def _abort(runtime: Runtime, failure: str) -> None:
+    log.error("gradsync: rank %d: aborting the MPI job (exit status 1) because gradsync stopped with: %s",
+              runtime.rank, failure)
+    for stream in (sys.stdout, sys.stderr):  # MPI_Abort ends the process without flushing them
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to save
+            pass
+    from mpi4py import MPI
+
+    # COMM_WORLD, not gradsync's communicator: MPICH's MPI_Abort on any other communicator ends only
+    # the calling process, and a launcher that does not clean up would then keep the job running.
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # MPI_Abort does not return; should an MPI let it, still end here
 
 
 def get() -> Runtime:

@@ -8,7 +8,8 @@ shuts down, instead of hanging.
 
 To keep this working while some rank is idle (its coordinator would otherwise sleep until it gets
 work), an idle coordinator takes part in one negotiation cycle every quarter of the check time (a
-*heartbeat*, at most every 15 s). With the check time 0, there is neither inspector nor heartbeat.
+*heartbeat*, at most every 15 s). Rank failure detection (:mod:`gradsync.liveness`) needs the same
+heartbeat; with both off, an idle coordinator sleeps until it gets work.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ log = logging.getLogger("gradsync")
 MAX_HEARTBEAT = 15.0  # seconds
 
 
-def heartbeat_interval(check_time: float) -> float | None:
-    """Seconds an idle coordinator sleeps before joining a cycle anyway; None: sleep until work."""
-    if check_time <= 0:
+def heartbeat_interval(*deadlines: float) -> float | None:
+    """Seconds an idle coordinator sleeps before joining a cycle anyway; None: sleep until work.
+
+    ``deadlines`` are the times (seconds; 0: off) within which something must be noticed on every
+    rank: the stall check time, the rank failure timeout. The heartbeat is a quarter of the
+    shortest, between 0.05 and 15 s.
+    """
+    active = [d for d in deadlines if d > 0]
+    if not active:
         return None
-    return min(max(check_time / 4, 0.05), MAX_HEARTBEAT)
+    return min(max(min(active) / 4, 0.05), MAX_HEARTBEAT)
 
 
 class StallClock:
