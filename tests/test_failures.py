@@ -96,6 +96,7 @@ SCENARIOS = {  # name: (mode, victim (-1: the last rank), when, hide the death f
     "SIGKILL during training steps": ("kill", 1, "training", True),
     "rank 0 killed while the others wait": ("kill", 0, "pending", True),
     "os._exit(3) inside a 128 MiB data allreduce": ("exit", -1, "data", False),
+    "os._exit(3) while a process set and the global set wait": ("exit", -1, "set", False),
 }
 
 

@@ -6,7 +6,9 @@ MODE: ``exit`` (os._exit(3)), ``exit0`` (os._exit(0)), ``kill`` (SIGKILL to itse
 (nobody dies: the test sets GRADSYNC_TEST_FAULT so that rank VICTIM's coordinator thread raises).
 WHEN: ``pending`` (the others wait on an allreduce the victim never submits), ``training``
 (DistributedOptimizer steps; the victim dies before its 4th backward), ``data`` (the victim dies
-inside a 128 MiB allreduce that the others are inside too), ``steps`` (small allreduces in a loop).
+inside a 128 MiB allreduce that the others are inside too), ``steps`` (small allreduces in a loop),
+``set`` (ranks 1.. form a process set; its members wait on an allreduce on it, rank 0 on the global
+set, and the victim never submits either).
 
 The victim prints ``DIED <time>`` just before it dies; every other rank prints one line
 ``ERROR <type> <time> | <first line of the message>`` when its gradsync call fails (time.time(),
@@ -85,6 +87,15 @@ def data() -> None:
     gradsync.allreduce_(big, name="big", op=gradsync.Sum)
 
 
+def in_a_set() -> None:
+    members = gradsync.add_process_set(range(1, size))
+    if rank == VICTIM:
+        time.sleep(0.5)
+        die()
+    process_set = members if rank in members.ranks else gradsync.global_process_set
+    gradsync.synchronize(gradsync.allreduce_async(np.ones(4), name="pending", process_set=process_set))
+
+
 def steps() -> None:
     for _ in range(1000):
         gradsync.allreduce(np.ones(4), name="step")
@@ -92,7 +103,7 @@ def steps() -> None:
 
 gradsync.allreduce(np.ones(4), name="warm")  # every rank is up
 try:
-    {"pending": pending, "training": training, "data": data, "steps": steps}[WHEN]()
+    {"pending": pending, "training": training, "data": data, "steps": steps, "set": in_a_set}[WHEN]()
 except gradsync.GradsyncError as exc:
     report(exc)
     try:  # the next call fails too, at once
