@@ -19,6 +19,7 @@ import numpy as np
 from . import dtypes, runtime
 from .arrays import adapter_for
 from .coordinator import Entry
+from .device import DeviceRuntime, device_kind
 from .handles import Handle
 from .protocol import Kind, ReduceOp, Request
 
@@ -26,9 +27,10 @@ _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
 
 def _prepare(tensor: Any, name: str | None, kind: Kind):
-    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info and the label
-    that names it in errors. An unnamed op gets its name only once every check passed (_name), so a
-    call rejected on one rank does not shift the names of that rank's later unnamed ops."""
+    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info, the tensor's
+    device runtime (None in host memory) and the label that names it in errors. An unnamed op gets
+    its name only once every check passed (_name), so a call rejected on one rank does not shift the
+    names of that rank's later unnamed ops."""
     rt = runtime.get()
     label = "(unnamed)" if name is None else repr(str(name))
     where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
@@ -39,15 +41,26 @@ def _prepare(tensor: Any, name: str | None, kind: Kind):
         raise TypeError(f"{where}: {str(exc).removeprefix('gradsync: ')}") from None
     if info.dtype not in dtypes.NUMPY_DTYPES:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
-    if info.device != "cpu":
-        raise TypeError(f"{where}: the tensor is on {info.device}; this version of gradsync "
-                        "moves host (CPU) memory only")
-    return rt, adapter, info, where
+    device = None
+    if device_kind(info.device) != "cpu":
+        device = adapter.device_runtime(tensor) if device_kind(info.device) == "cuda" else None
+        if device is None:
+            raise TypeError(f"{where}: the tensor is on {info.device}; gradsync moves host (CPU) "
+                            "memory, torch CUDA tensors and CuPy arrays")
+    return rt, adapter, info, device, where
 
 
-def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str):
+def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str,
+            device: DeviceRuntime | None = None):
     """The input's view, the result's view and the result: the tensor itself when in place (which
-    must then be writable), else a new tensor of the same kind."""
+    must then be writable), else a new tensor of the same kind. Views are numpy views of host
+    memory, or for device tensors ``device.view`` of them."""
+    if device is not None:
+        source = device.view(tensor)
+        if in_place:
+            return source, source, tensor
+        result = adapter.empty(tensor, shape)
+        return source, device.view(result), result
     source = adapter.host_view(tensor)
     if in_place:
         if not source.flags.writeable:
@@ -55,6 +68,19 @@ def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
         return source, source, tensor
     result = adapter.empty(tensor, shape)
     return source, adapter.host_view(result), result
+
+
+def _entry(request: Request, source: Any, target: Any, result: Any, device: DeviceRuntime | None,
+           allocate=None) -> Entry:
+    """The coordinator's entry; for a device tensor it records, on the caller's current stream, the
+    event after which the tensor's data is ready (the coordinator's stream waits for it)."""
+    entry = Entry(request, Handle(request.name), source, target, result, allocate)
+    if device is not None:
+        entry.runtime = device
+        entry.device = device.device_index(source)
+        entry.ready = device.event()
+        device.record(entry.ready, device.current_stream(entry.device))
+    return entry
 
 
 def _name(rt: runtime.Runtime, name: str | None, kind: str) -> str:
@@ -72,18 +98,18 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool) -> Handle:
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLREDUCE)
+    rt, adapter, info, device, where = _prepare(tensor, name, Kind.ALLREDUCE)
     try:
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
-    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where, device)
     name = _name(rt, name, "allreduce")
     request = Request(name, Kind.ALLREDUCE, rt.rank, info.dtype, info.shape, op, -1,
-                      prescale, postscale)
-    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+                      prescale, postscale, device_kind(info.device))
+    return rt.coordinator.submit(_entry(request, source, target, result, device))
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -137,14 +163,15 @@ def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Ave
 
 
 def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) -> Handle:
-    rt, adapter, info, where = _prepare(tensor, name, Kind.BROADCAST)
+    rt, adapter, info, device, where = _prepare(tensor, name, Kind.BROADCAST)
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
         raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
                          f"(0 .. {rt.size - 1})")
-    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where, device)
     name = _name(rt, name, "broadcast")
-    request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank))
-    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+    request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank),
+                      device=device_kind(info.device))
+    return rt.coordinator.submit(_entry(request, source, target, result, device))
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
@@ -188,19 +215,21 @@ def allgather_async(tensor: Any, name: str | None = None) -> Handle:
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLGATHER)
+    rt, adapter, info, device, where = _prepare(tensor, name, Kind.ALLGATHER)
     if len(info.shape) == 0:
         raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
                          "to (1,))")
 
-    def allocate(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    view = adapter.host_view if device is None else device.view
+
+    def allocate(shape: tuple[int, ...]) -> tuple[Any, Any]:
         result = adapter.empty(tensor, shape)
-        return result, adapter.host_view(result)
+        return result, view(result)
 
     name = _name(rt, name, "allgather")
-    request = Request(name, Kind.ALLGATHER, rt.rank, info.dtype, info.shape)
-    entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
-    return rt.coordinator.submit(entry)
+    request = Request(name, Kind.ALLGATHER, rt.rank, info.dtype, info.shape,
+                      device=device_kind(info.device))
+    return rt.coordinator.submit(_entry(request, view(tensor), None, None, device, allocate))
 
 
 def allgather(tensor: Any, name: str | None = None) -> Any:
