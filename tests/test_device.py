@@ -192,3 +192,37 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     gradsync.shutdown()
     assert not [t for t in threading.enumerate() if t.name == "gradsync-device-watchdog"]
     assert fake_nccl.closed == [False], "the communicators were not destroyed at shutdown"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch device runtime's pack/unpack math, on CPU tensors (the same code runs on CUDA tensors)
+
+
+@pytest.mark.parametrize("dtype, buffer_dtype, prescale, scale, floor_divisor", [
+    ("float16", "float32", 0.5, 4.0, 1), ("bfloat16", "bfloat16", 1.0, 0.25, 1),
+    ("float32", "float32", 1.0, 1.0, 1), ("int32", "int64", 1.0, 1.0, 2), ("int8", "int64", 1.0, 1.0, 3),
+    ("bool", "uint8", 1.0, 1.0, 1), ("int16", "int32", 1.0, 1.0, 1),
+])
+def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype, prescale, scale,
+                                                            floor_divisor):
+    torch = pytest.importorskip("torch")
+    from gradsync import dtypes, fusion
+    from gradsync.torch.array import TORCH
+    from gradsync.torch.device import DEVICE, torch_dtype
+
+    np_dtype, np_buffer = dtypes.NUMPY_DTYPES[dtype], dtypes.NUMPY_DTYPES[buffer_dtype]
+    values = (np.arange(-6, 6) % 2 if dtype == "bool" else np.arange(-6, 6)).astype(np_dtype).reshape(3, 4)
+    source = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16) if dtype == "bfloat16" \
+        else torch.from_numpy(values.copy())
+    source = source[:, ::2]  # not contiguous
+    host_source = values[:, ::2]
+    buffer = torch.empty(6, dtype=torch_dtype(np_buffer))
+    host_buffer = np.empty(6, np_buffer)
+    DEVICE.pack(source, buffer, prescale)
+    fusion.pack(host_source, host_buffer, prescale)
+    np.testing.assert_array_equal(TORCH.host_view(buffer), host_buffer)
+    out = torch.empty((3, 2), dtype=source.dtype)
+    host_out = np.empty((3, 2), np_dtype)
+    DEVICE.unpack(buffer, out, scale, floor_divisor)
+    fusion.unpack(host_buffer.copy(), host_out, scale, floor_divisor)
+    np.testing.assert_array_equal(TORCH.host_view(out), host_out)

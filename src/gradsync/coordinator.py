@@ -53,8 +53,8 @@ class Entry:
 
     request: Request
     handle: Handle
-    source: np.ndarray
-    target: np.ndarray | None
+    source: Any
+    target: Any
     result: Any
     allocate: Callable[[tuple[int, ...]], tuple[Any, Any]] | None = None
     submitted_ns: int = dataclasses.field(default_factory=time.perf_counter_ns)

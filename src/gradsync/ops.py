@@ -118,7 +118,11 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
 
     Args:
         tensor: any shape (zero-size and non-contiguous included) and a dtype of
-            :data:`gradsync.dtypes.SUPPORTED`, in host memory; the same shape and dtype on every rank.
+            :data:`gradsync.dtypes.SUPPORTED`, in host memory or (a torch CUDA tensor, a CuPy array)
+            on this rank's GPU; the same shape, dtype and kind of device on every rank. A device
+            tensor is reduced on gradsync's CUDA stream: the handle completes when that work is
+            enqueued, and synchronize() makes the caller's current stream wait for it
+            (docs/gpu.md).
         name: identifies the collective across ranks (see the module docstring).
         op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
@@ -133,7 +137,8 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         NotInitializedError: before ``init()``.
         TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
             integer tensor. The message names the tensor and the rank.
-        ValueError: unknown ``op``; a collective of that name still in flight on this rank.
+        ValueError: unknown ``op``; a collective of that name still in flight on this rank; a
+            device tensor on another GPU than this rank's earlier ones.
         CollectiveError (from synchronize): ranks disagreed on dtype, shape, op or factors; the
             message lists each rank's value.
     """
@@ -306,6 +311,9 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle`` and return its output tensor (the input itself for in-place ops).
+
+    For device tensors it waits until the collective is enqueued on gradsync's CUDA stream and
+    makes the caller's current stream wait for it; the host does not wait for the GPU.
 
     Raises the collective's error (CollectiveError, ShutdownError) if it failed.
     """

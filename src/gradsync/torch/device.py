@@ -6,6 +6,7 @@ by torch's caching allocator, and :meth:`TorchDevice.keep_alive` is ``Tensor.rec
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,10 @@ class TorchDevice:
     def stream_pointer(self, stream: torch.cuda.Stream) -> int:
         return stream.cuda_stream
 
+    @contextlib.contextmanager
     def on_stream(self, stream: torch.cuda.Stream, device: int):
-        return torch.cuda.stream(stream)  # also makes the stream's device current
+        with torch.cuda.device(device), torch.cuda.stream(stream):  # NCCL takes the current device
+            yield
 
     def event(self, timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
