@@ -297,6 +297,9 @@ class Coordinator:
             except CollectiveError as exc:
                 groups.append((response._replace(error=str(exc)), []))
         everything = [entry for _, entries in groups for entry in entries]
+        # Names are released before the handles complete: a caller that reuses a name right after
+        # synchronize() returned must not find it still in flight.
+        names = [name for r, _ in groups for name in r.names]
         response, entries = groups[0]
         started_ns = time.perf_counter_ns()
         phases: list[tuple[str, int]] = []
@@ -331,11 +334,13 @@ class Coordinator:
                 error = CollectiveError(f"gradsync: rank {self.rank}: {response.kind.name.lower()} "
                                         f"of {names} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
+            self._release(names)
             for entry in everything:
                 entry.handle._set_error(error)
             if error is not exc:
                 raise
         else:
+            self._release(names)
             for entry in everything:
                 self.negotiator.completed(entry.request)
                 if done is None:
@@ -345,9 +350,15 @@ class Coordinator:
             if self._autotuner is not None and response.kind == Kind.ALLREDUCE and done is None:
                 self._autotuner.record(sum(entry.source.nbytes for entry in everything))
         finally:
-            self.queue.finished([name for r, _ in groups for name in r.names])
+            self._release(names)
             if self.timeline is not None:
                 self._record(everything, replied_ns, started_ns, phases)
+
+    def _release(self, names: list[str]) -> None:
+        """Take ``names`` out of the in-flight set (once; later calls do nothing)."""
+        if names:
+            self.queue.finished(names)
+            names.clear()
 
     def _divisor(self, response: Response) -> int:
         """What Average divides by: the world size, or (join_divisor=contributors) the ranks
