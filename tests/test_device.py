@@ -226,3 +226,58 @@ def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype,
     DEVICE.unpack(buffer, out, scale, floor_divisor)
     fusion.unpack(host_buffer.copy(), host_out, scale, floor_divisor)
     np.testing.assert_array_equal(TORCH.host_view(out), host_out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The NCCL backend's calls, with a recording communicator (ncclGroupStart/End run for real)
+
+
+class RecordingComm:
+    def __init__(self):
+        self.calls = []
+
+    def allreduce(self, send, recv, count, dtype, op, stream):
+        self.calls.append(("allreduce", send, recv, count, dtype, ReduceOp(op), stream))
+        return 1
+
+    def broadcast(self, send, recv, count, dtype, root, stream):
+        self.calls.append(("broadcast", send, recv, count, dtype, root, stream))
+
+
+class OneRank:
+    def Get_rank(self):
+        return 1
+
+    def Get_size(self):
+        return 3
+
+
+@pytest.mark.skipif(not gradsync.nccl_built(), reason="no NCCL library")
+def test_nccl_backend_calls():
+    from gradsync.backends.nccl import NcclBackend
+
+    backend = NcclBackend(OneRank())
+    comm = backend._comms[0] = RecordingComm()
+    device = fakegpu.DEVICE
+    stream = device.new_stream(0)
+    floats = fakegpu.array(np.zeros(5, np.float32))
+    flags = fakegpu.array(np.zeros(3, np.uint8))
+    ints = fakegpu.array(np.zeros(4, np.int64))
+    divided = backend.allreduce(device, 0, stream, [
+        (floats, floats.dtype, ReduceOp.Average, False), (flags, flags.dtype, ReduceOp.Sum, True),
+        (ints, ints.dtype, ReduceOp.Average, False)])
+    assert divided == [True, False, False]  # ncclAvg for floats; the integer mean is the caller's
+    pointer = device.pointer
+    assert comm.calls == [
+        ("allreduce", pointer(floats), pointer(floats), 5, "float32", ReduceOp.Average, id(stream)),
+        ("allreduce", pointer(flags), pointer(flags), 3, "bool", ReduceOp.Sum, id(stream)),
+        ("allreduce", pointer(ints), pointer(ints), 4, "int64", ReduceOp.Average, id(stream))]
+    comm.calls.clear()
+    send = fakegpu.array(np.zeros(2, np.float64))
+    recv = fakegpu.array(np.zeros(9, np.float64))
+    backend.allgather(device, 0, stream, send, recv, np.dtype(np.float64), [4, 2, 3])
+    base = pointer(recv)
+    assert comm.calls == [  # allgatherv: one broadcast per rank; this rank (1) sends its own buffer
+        ("broadcast", base, base, 4, "int64", 0, id(stream)),
+        ("broadcast", pointer(send), base + 4 * 8, 2, "int64", 1, id(stream)),
+        ("broadcast", base + 6 * 8, base + 6 * 8, 3, "int64", 2, id(stream))]

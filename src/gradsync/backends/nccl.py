@@ -80,8 +80,9 @@ class NcclBackend:
             for buffer, dtype, op, logical in buffers:
                 pointer = runtime.pointer(buffer)
                 name = "bool" if logical else dtypes.dtype_name(dtype)
-                divisor = comm.allreduce(pointer, pointer, _count(buffer), name, op, cuda_stream)
-                divided.append(op == ReduceOp.Average and divisor == 1)
+                comm.allreduce(pointer, pointer, _count(buffer), name, op, cuda_stream)
+                # ncclAvg (floating dtypes) divides; an Average run as ncclSum leaves it to the caller.
+                divided.append(op == ReduceOp.Average and not nccl.nccl_op(op, name)[1])
         return divided
 
     def broadcast(self, runtime: DeviceRuntime, device: int, stream: Any, buffer: Any,
