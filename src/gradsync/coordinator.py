@@ -191,6 +191,8 @@ class Coordinator:
             while True:
                 timeout = self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
                 entries, shutdown = self.queue.wait(timeout)
+                # After a GPU error this rank stops; the cycle's shutdown flag stops the others too.
+                shutdown = shutdown or self.device.error is not None
                 for entry in entries:
                     self._pending[entry.request.name] = entry
                 started_ns = time.perf_counter_ns()
