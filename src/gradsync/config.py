@@ -106,6 +106,12 @@ SETTINGS: tuple[Setting, ...] = (
         "How long autotune measures each candidate setting.",
     ),
     Setting(
+        "gpu_operations", str, "", "name",
+        "How collectives of GPU tensors move data: 'NCCL' (device buffers, NCCL on a CUDA stream of "
+        "its own) or 'MPI' (through pinned host buffers and MPI; lets several ranks share one GPU). "
+        "Empty: NCCL when the NCCL library loads, else MPI. Must be the same on every rank.",
+    ),
+    Setting(
         "log_level", str, "WARNING", "name",
         "Level of the 'gradsync' logger: DEBUG, INFO, WARNING, ERROR.",
     ),
@@ -151,6 +157,7 @@ class Config:
     timeline: str = ""
     autotune: bool = False
     autotune_window: float = 2.0
+    gpu_operations: str = ""
     log_level: str = "WARNING"
 
     @classmethod
@@ -185,6 +192,8 @@ class Config:
                 raise ValueError(f"{source}={raw!r} must be 'size' or 'contributors'")
             if setting.field == "rank_failure_timeout_seconds" and 0 < value < MIN_FAILURE_TIMEOUT:
                 raise ValueError(f"{source}={raw!r} must be 0 (off) or at least {MIN_FAILURE_TIMEOUT} s")
+            if setting.field == "gpu_operations" and value.strip().lower() not in ("", "nccl", "mpi"):
+                raise ValueError(f"{source}={raw!r} must be NCCL or MPI (or empty: NCCL when it loads)")
             if isinstance(value, (int, float)) and value < 0:
                 raise ValueError(f"{source}={raw!r} must not be negative ({setting.unit})")
             values[setting.field] = value

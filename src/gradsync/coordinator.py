@@ -33,6 +33,8 @@ from . import dtypes, fusion
 from .autotune import Autotuner
 from .backends.mpi import MpiBackend
 from .config import Config, injected_fault
+from .device import DeviceRuntime
+from .device_executor import DeviceExecutor
 from .errors import CollectiveError, GradsyncError, RankFailureError, ShutdownError, StallError
 from .handles import Handle
 from .liveness import LivenessTiming, Watchdog
@@ -50,15 +52,21 @@ class Entry:
     ``source`` is a numpy view of the input; ``target`` a numpy view of where the result goes (the
     same object for in-place ops; None where the coordinator allocates it, as for allgather).
     ``result`` is what the handle returns; ``allocate`` makes it (and ``target``) when needed.
+    For a tensor in device memory, ``source`` and ``target`` are device arrays of the framework
+    whose :class:`~gradsync.device.DeviceRuntime` is ``runtime``, on CUDA device ``device``, and
+    ``ready`` is the event recorded on the producer's stream at submission.
     """
 
     request: Request
     handle: Handle
-    source: np.ndarray
-    target: np.ndarray | None
+    source: Any
+    target: Any
     result: Any
-    allocate: Callable[[tuple[int, ...]], tuple[Any, np.ndarray]] | None = None
+    allocate: Callable[[tuple[int, ...]], tuple[Any, Any]] | None = None
     submitted_ns: int = dataclasses.field(default_factory=time.perf_counter_ns)
+    runtime: DeviceRuntime | None = None
+    device: int = -1
+    ready: Any = None
 
 
 class TensorQueue:
@@ -69,6 +77,7 @@ class TensorQueue:
         self._entries: list[Entry] = []
         self._in_flight: set[str] = set()
         self._shutdown = False
+        self._interrupted = False
         self.closed_error: BaseException | None = None
 
     def push(self, entry: Entry) -> None:
@@ -94,13 +103,20 @@ class TensorQueue:
             self._shutdown = True
             self._cond.notify()
 
+    def interrupt(self) -> None:
+        """Wake the coordinator from another thread (the device watchdog found an error)."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify()
+
     def wait(self, timeout: float | None) -> tuple[list[Entry], bool]:
-        """Block until there are entries or shutdown was asked for, or ``timeout`` seconds passed.
+        """Block until there are entries, shutdown was asked for, :meth:`interrupt` was called, or
+        ``timeout`` seconds passed.
 
         Returns the drained entries and whether shutdown was asked for.
         """
         with self._cond:
-            if not self._entries and not self._shutdown:
+            if not self._entries and not self._shutdown and not self._interrupted:
                 self._cond.wait(timeout)
             entries, self._entries = self._entries, []
             return entries, self._shutdown
@@ -173,12 +189,25 @@ class Coordinator:
             timing = LivenessTiming.from_timeout(failure_timeout, self._heartbeat)
             self._watchdog = Watchdog(comm.Dup(), timing, lambda: self.busy, self._lost,
                                       world_ranks=world_ranks)
+        self.device = DeviceExecutor(comm, self._backend, config.gpu_operations, self.timeline,
+                                     on_error=lambda message: self.queue.interrupt())
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
 
     # ---- user side -------------------------------------------------------------------------
     def submit(self, entry: Entry) -> Handle:
-        """Queue ``entry`` for negotiation; returns its handle at once."""
+        """Queue ``entry`` for negotiation; returns its handle at once.
+
+        Raises:
+            ValueError: a device tensor on another GPU (or of another framework) than this rank's
+                earlier ones; a collective of the same name still in flight.
+        """
+        if entry.runtime is not None:
+            reason = self.device.check_device(entry.runtime, entry.device)
+            if reason is not None:
+                raise ValueError(f"gradsync: rank {self.world_rank}: {entry.request.kind.name.lower()} of "
+                                 f"tensor {entry.request.name!r}: {reason}")
+            self.device.claim(entry.runtime, entry.device)
         self.queue.push(entry)
         return entry.handle
 
@@ -198,12 +227,15 @@ class Coordinator:
 
     # ---- coordinator thread ----------------------------------------------------------------
     def _run(self) -> None:
+        crashed = False
         try:
             while True:
                 timeout = self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
                 entries, shutdown = self.queue.wait(timeout)
                 if self.failure is not None:  # the watchdog stopped gradsync: run no more collectives
                     return
+                # After a GPU error this rank stops; the cycle's shutdown flag stops the others too.
+                shutdown = shutdown or self.device.error is not None
                 for entry in entries:
                     self._pending[entry.request.name] = entry
                 self._cycles += 1
@@ -223,16 +255,16 @@ class Coordinator:
                 if self.timeline is not None and (entries or reply.responses):
                     self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
                                                                "responses": len(reply.responses)})
-                for response in reply.responses:
-                    self.busy = (time.monotonic(), _Described(response))
-                    self._execute(response, replied_ns)
-                    self.busy = None
-                    if self.failure is not None:
-                        return
+                self._execute_all(reply.responses, replied_ns)
+                if self.failure is not None:
+                    return
                 if self._autotuner is not None:
                     proposal = self._autotuner.poll()
                     if proposal is not None:
                         self.negotiator.propose(proposal)
+                if self.device.error is not None:
+                    self._stop(CollectiveError, self.device.error)
+                    return
                 if reply.stall_error is not None:
                     self._stop(StallError, reply.stall_error + self._set_ranks_note())
                     return
@@ -244,6 +276,7 @@ class Coordinator:
                     self._stop(ShutdownError, f"rank(s) {ranks} called {what} first")
                     return
         except BaseException as exc:  # the thread must never die silently
+            crashed = True
             log.exception("gradsync: rank %d: coordinator failed", self.world_rank)
             self.busy = None
             if self.failure is not None:  # the watchdog's verdict came first and already said why
@@ -255,6 +288,7 @@ class Coordinator:
                 self._watchdog.announce((self.rank,), f"rank {self.world_rank}'s background coordinator "
                                         f"failed: {what}")
         finally:
+            self.device.close(abort=crashed)  # after an error NCCL's pending work may never end
             if self.timeline is not None:
                 self.timeline.close()
 
@@ -306,43 +340,134 @@ class Coordinator:
             entry.handle._set_error(error)
         self._pending.clear()
 
-    def _execute(self, response: Response, replied_ns: int) -> None:
+    def _execute_all(self, responses: tuple[Response, ...], replied_ns: int) -> None:
+        """Run the cycle's responses in order; the device allreduces among them are collected and
+        run together (one NCCL group) before the next response of another kind, and at the end.
+        Every rank makes the same batches, since ranks agree on every request's device."""
+        batch: list[Response] = []
+        for response in responses:
+            if response.kind == Kind.ALLREDUCE and response.error is None and self._on_device(response):
+                batch.append(response)
+                continue
+            if batch and not self._carry_out(batch, replied_ns):
+                return
+            batch = []
+            if not self._carry_out([response], replied_ns):
+                return
+        if batch:
+            self._carry_out(batch, replied_ns)
+
+    def _carry_out(self, responses: list[Response], replied_ns: int) -> bool:
+        """:meth:`_execute` with the watchdog told what this rank is inside; False once the watchdog
+        has stopped gradsync (a rank was lost): then no further collective may start."""
+        if self.failure is not None:
+            return False
+        self.busy = (time.monotonic(), _Described(responses[0]))
+        try:
+            self._execute(responses, replied_ns)
+        finally:
+            self.busy = None
+        return self.failure is None
+
+    def _on_device(self, response: Response) -> bool:
+        entry = self._pending.get(response.names[0])
+        request = entry.request if entry is not None else response.requests[0]
+        return request.device != "cpu"
+
+    def _entries(self, response: Response) -> list[Entry]:
+        """This rank's entries of ``response``, or a joined rank's stand-ins."""
         stand_ins = dict(zip(response.names, response.requests))
-        entries = [self._pending.pop(name, None) or _stand_in(stand_ins[name])
-                   for name in response.names]
-        self._executing = entries
+        entries = []
+        for name in response.names:
+            entry = self._pending.pop(name, None)
+            if entry is None:
+                entry = _stand_in(stand_ins[name])
+                if entry.request.device != "cpu" and response.error is None:
+                    entry = self.device.stand_in(entry)
+            entries.append(entry)
+        return entries
+
+    def _execute(self, responses: list[Response], replied_ns: int) -> None:
+        """Carry out ``responses`` (one, or a batch of device allreduces) and complete their handles."""
+        groups = []
+        for response in responses:
+            try:
+                groups.append((response, self._entries(response)))
+            except CollectiveError as exc:
+                groups.append((response._replace(error=str(exc)), []))
+        everything = [entry for _, entries in groups for entry in entries]
+        # Names are released before the handles complete: a caller that reuses a name right after
+        # synchronize() returned must not find it still in flight.
+        names = [name for r, _ in groups for name in r.names]
+        response, entries = groups[0]
+        self._executing = everything
         started_ns = time.perf_counter_ns()
         phases: list[tuple[str, int]] = []
+        done = None  # the device collectives' done event
         try:
-            if response.error is not None:
-                raise CollectiveError(f"gradsync: rank {self.world_rank}: {response.error}"
-                                      f"{self._set_ranks_note()}")
-            if response.kind == Kind.ALLREDUCE:
-                divisor = self.size
-                if self._join_divisor == "contributors" and response.contributors:
-                    divisor = response.contributors
-                phases = self._allreduce(entries, divisor)
+            for failed in groups:
+                if failed[0].error is not None:
+                    raise CollectiveError(f"gradsync: rank {self.world_rank}: {failed[0].error}"
+                                          f"{self._set_ranks_note()}")
+            device = entries[0].runtime is not None if entries else False
+            if response.kind == Kind.ALLREDUCE and device:
+                done = self.device.allreduce([(e, self._divisor(r)) for r, e in groups])
+                phases = [("ENQUEUE_ALLREDUCE", time.perf_counter_ns())]
+            elif response.kind == Kind.ALLREDUCE:
+                phases = self._allreduce(entries, self._divisor(response))
+            elif response.kind == Kind.BROADCAST and device:
+                done = self.device.broadcast(entries[0])
+                phases = [("ENQUEUE_BROADCAST", time.perf_counter_ns())]
             elif response.kind == Kind.BROADCAST:
                 phases = self._broadcast(entries[0])
+            elif response.kind == Kind.ALLGATHER and device:
+                done = self.device.allgather(entries[0], response.first_dims)
+                phases = [("ENQUEUE_ALLGATHER", time.perf_counter_ns())]
             elif response.kind == Kind.ALLGATHER:
                 phases = self._allgather(entries[0], response.first_dims)
             elif response.kind == Kind.JOIN:
                 entries[0].result = response.first_dims[0]  # the rank that joined last
             # BARRIER: negotiation itself proved that every rank arrived.
-        except CollectiveError as exc:
-            for entry in entries:
-                entry.handle._set_error(exc)
+        except Exception as exc:
+            error = exc
+            if not isinstance(exc, CollectiveError):  # e.g. NcclError: fail the handles, then stop
+                names = ", ".join(repr(e.request.name) for e in everything)
+                error = CollectiveError(f"gradsync: rank {self.world_rank}: {response.kind.name.lower()} "
+                                        f"of {names} failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+            self._release(names)
+            for entry in everything:
+                entry.handle._set_error(error)
+            if error is not exc:
+                raise
         else:
-            for entry in entries:
+            self._release(names)
+            for entry in everything:
                 self.negotiator.completed(entry.request)
-                entry.handle._set_result(entry.result)
-            if self._autotuner is not None and response.kind == Kind.ALLREDUCE:
-                self._autotuner.record(sum(entry.source.nbytes for entry in entries))
+                if done is None:
+                    entry.handle._set_result(entry.result)
+                else:
+                    entry.handle._set_result(entry.result, (entry.runtime, entry.device, done))
+            if self._autotuner is not None and response.kind == Kind.ALLREDUCE and done is None:
+                self._autotuner.record(sum(entry.source.nbytes for entry in everything))
         finally:
             self._executing = []
-            self.queue.finished(list(response.names))
+            self._release(names)
             if self.timeline is not None:
-                self._record(entries, replied_ns, started_ns, phases)
+                self._record(everything, replied_ns, started_ns, phases)
+
+    def _release(self, names: list[str]) -> None:
+        """Take ``names`` out of the in-flight set (once; later calls do nothing)."""
+        if names:
+            self.queue.finished(names)
+            names.clear()
+
+    def _divisor(self, response: Response) -> int:
+        """What Average divides by: the world size, or (join_divisor=contributors) the ranks
+        that submitted."""
+        if self._join_divisor == "contributors" and response.contributors:
+            return response.contributors
+        return self.size
 
     def _record(self, entries: list[Entry], replied_ns: int, started_ns: int,
                 phases: list[tuple[str, int]]) -> None:

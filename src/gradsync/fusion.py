@@ -26,7 +26,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
                    with_requests: bool = False) -> list[Response]:
     """Group ready allreduce requests into fused responses.
 
-    Requests with the same (dtype, op, prescale, postscale) are packed in order into responses of at
+    Requests with the same (dtype, op, prescale, postscale, device) are packed in order into responses of at
     most ``threshold`` bytes; a request larger than ``threshold`` gets a response of its own. The
     order of responses is the order of their first request, so every rank that runs the same plan
     moves the same bytes in the same order. ``sizes``: each request's :func:`nbytes`, if known
@@ -39,7 +39,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
         if size > threshold:
             groups.append([request])
             continue
-        key = request[3:4] + request[5:6] + request[7:]  # dtype, op, prescale, postscale
+        key = (request.dtype, request.op, request.prescale, request.postscale, request.device)
         current = open_group.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(request)

@@ -35,7 +35,8 @@ log = logging.getLogger("gradsync")
 
 # Fields on which every rank must agree, with the word used in error messages.
 _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("root", "root rank"),
-                  ("prescale", "prescale_factor"), ("postscale", "postscale_factor"))
+                  ("prescale", "prescale_factor"), ("postscale", "postscale_factor"),
+                  ("device", "device"))
 
 
 class MessageTable:

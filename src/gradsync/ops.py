@@ -19,6 +19,7 @@ import numpy as np
 from . import dtypes, runtime
 from .arrays import adapter_for
 from .coordinator import Coordinator, Entry
+from .device import DeviceRuntime, device_kind
 from .handles import Handle
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
@@ -28,7 +29,8 @@ _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
 def _prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet):
     """Check ``tensor`` is something gradsync can move; return the process set's coordinator,
-    adapter, info and the label that names it in errors. An unnamed op gets its name only once every
+    adapter, info, the tensor's device runtime (None in host memory) and the label that names it in
+    errors. An unnamed op gets its name only once every
     check passed (_name), so a call rejected on one rank does not shift the names of that rank's
     later unnamed ops."""
     rt = runtime.get()
@@ -42,15 +44,26 @@ def _prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet)
         raise TypeError(f"{where}: {str(exc).removeprefix('gradsync: ')}") from None
     if info.dtype not in dtypes.NUMPY_DTYPES:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
-    if info.device != "cpu":
-        raise TypeError(f"{where}: the tensor is on {info.device}; this version of gradsync "
-                        "moves host (CPU) memory only")
-    return coordinator, adapter, info, where
+    device = None
+    if device_kind(info.device) != "cpu":
+        device = adapter.device_runtime(tensor) if device_kind(info.device) == "cuda" else None
+        if device is None:
+            raise TypeError(f"{where}: the tensor is on {info.device}; gradsync moves host (CPU) "
+                            "memory, torch CUDA tensors and CuPy arrays")
+    return coordinator, adapter, info, device, where
 
 
-def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str):
+def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str,
+            device: DeviceRuntime | None = None):
     """The input's view, the result's view and the result: the tensor itself when in place (which
-    must then be writable), else a new tensor of the same kind."""
+    must then be writable), else a new tensor of the same kind. Views are numpy views of host
+    memory, or for device tensors ``device.view`` of them."""
+    if device is not None:
+        source = device.view(tensor)
+        if in_place:
+            return source, source, tensor
+        result = adapter.empty(tensor, shape)
+        return source, device.view(result), result
     source = adapter.host_view(tensor)
     if in_place:
         if not source.flags.writeable:
@@ -58,6 +71,19 @@ def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
         return source, source, tensor
     result = adapter.empty(tensor, shape)
     return source, adapter.host_view(result), result
+
+
+def _entry(request: Request, source: Any, target: Any, result: Any, device: DeviceRuntime | None,
+           allocate=None) -> Entry:
+    """The coordinator's entry; for a device tensor it records, on the caller's current stream, the
+    event after which the tensor's data is ready (the coordinator's stream waits for it)."""
+    entry = Entry(request, Handle(request.name), source, target, result, allocate)
+    if device is not None:
+        entry.runtime = device
+        entry.device = device.device_index(source)
+        entry.ready = device.event()
+        device.record(entry.ready, device.current_stream(entry.device))
+    return entry
 
 
 def _name(coordinator: Coordinator, name: str | None, kind: str) -> str:
@@ -94,18 +120,18 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, process_set: ProcessSet) -> Handle:
-    coordinator, adapter, info, where = _prepare(tensor, name, Kind.ALLREDUCE, process_set)
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLREDUCE, process_set)
     try:
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
-    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where, device)
     name = _name(coordinator, name, "allreduce")
     request = Request(name, Kind.ALLREDUCE, coordinator.rank, info.dtype, info.shape, op, -1,
-                      prescale, postscale)
-    return coordinator.submit(Entry(request, Handle(name), source, target, result))
+                      prescale, postscale, device_kind(info.device))
+    return coordinator.submit(_entry(request, source, target, result, device))
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -115,7 +141,11 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
 
     Args:
         tensor: any shape (zero-size and non-contiguous included) and a dtype of
-            :data:`gradsync.dtypes.SUPPORTED`, in host memory; the same shape and dtype on every rank.
+            :data:`gradsync.dtypes.SUPPORTED`, in host memory or (a torch CUDA tensor, a CuPy array)
+            on this rank's GPU; the same shape, dtype and kind of device on every rank. A device
+            tensor is reduced on gradsync's CUDA stream: the handle completes when that work is
+            enqueued, and synchronize() makes the caller's current stream wait for it
+            (docs/gpu.md).
         name: identifies the collective across ranks (see the module docstring).
         op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
@@ -132,7 +162,8 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
             integer tensor. The message names the tensor and the rank.
         ValueError: unknown ``op``; a collective of that name still in flight on this rank;
-            ``process_set`` not registered or this rank not a member of it.
+            ``process_set`` not registered or this rank not a member of it; a device tensor on
+            another GPU than this rank's earlier ones.
         CollectiveError (from synchronize): ranks disagreed on dtype, shape, op or factors; the
             message lists each rank's value.
     """
@@ -168,12 +199,13 @@ def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Ave
 
 def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool,
                process_set: ProcessSet) -> Handle:
-    coordinator, adapter, info, where = _prepare(tensor, name, Kind.BROADCAST, process_set)
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.BROADCAST, process_set)
     root = _root(coordinator, root_rank, where)
-    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where, device)
     name = _name(coordinator, name, "broadcast")
-    request = Request(name, Kind.BROADCAST, coordinator.rank, info.dtype, info.shape, root=root)
-    return coordinator.submit(Entry(request, Handle(name), source, target, result))
+    request = Request(name, Kind.BROADCAST, coordinator.rank, info.dtype, info.shape, root=root,
+                      device=device_kind(info.device))
+    return coordinator.submit(_entry(request, source, target, result, device))
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
@@ -225,19 +257,21 @@ def allgather_async(tensor: Any, name: str | None = None,
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    coordinator, adapter, info, where = _prepare(tensor, name, Kind.ALLGATHER, process_set)
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLGATHER, process_set)
     if len(info.shape) == 0:
         raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
                          "to (1,))")
 
-    def allocate(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    view = adapter.host_view if device is None else device.view
+
+    def allocate(shape: tuple[int, ...]) -> tuple[Any, Any]:
         result = adapter.empty(tensor, shape)
-        return result, adapter.host_view(result)
+        return result, view(result)
 
     name = _name(coordinator, name, "allgather")
-    request = Request(name, Kind.ALLGATHER, coordinator.rank, info.dtype, info.shape)
-    entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
-    return coordinator.submit(entry)
+    request = Request(name, Kind.ALLGATHER, coordinator.rank, info.dtype, info.shape,
+                      device=device_kind(info.device))
+    return coordinator.submit(_entry(request, view(tensor), None, None, device, allocate))
 
 
 def allgather(tensor: Any, name: str | None = None,
@@ -330,6 +364,9 @@ def allgather_object(obj: Any, name: str | None = None,
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle`` and return its output tensor (the input itself for in-place ops).
+
+    For device tensors it waits until the collective is enqueued on gradsync's CUDA stream and
+    makes the caller's current stream wait for it; the host does not wait for the GPU.
 
     Raises the collective's error (CollectiveError, ShutdownError) if it failed.
     """

@@ -45,7 +45,9 @@ class Request(NamedTuple):
     """One rank's description of a collective it wants to run.
 
     All ranks must send requests with the same ``name``; they must agree on every other field except
-    ``rank`` (and, for allgather, the first dimension of ``shape``).
+    ``rank`` (and, for allgather, the first dimension of ``shape``). ``device`` is the kind of memory
+    the tensor lives in, ``"cpu"`` or ``"cuda"`` (not the device index: each rank uses its own GPU),
+    so host and device tensors are never fused together.
     """
 
     name: str
@@ -57,6 +59,7 @@ class Request(NamedTuple):
     root: int = -1
     prescale: float = 1.0
     postscale: float = 1.0
+    device: str = "cpu"
 
 
 class Response(NamedTuple):

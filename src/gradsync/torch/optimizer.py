@@ -43,6 +43,7 @@ class _DistributedOptimizer:
         self._gs_timeline = runtime.get().coordinator_for(
             process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer").timeline
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
+        self._gs_backward_events = None  # the same on a GPU: timing events on the compute stream
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
         for group in self.param_groups:
             self._gs_check_owners(group)
@@ -88,11 +89,33 @@ class _DistributedOptimizer:
                 "stop it from producing gradients there: param.requires_grad_(False) on this module's "
                 "parameters during that backward, or detach its input.")
         if self._gs_timeline is not None:
-            now = time.perf_counter_ns()
-            self._gs_backward_ns = (self._gs_backward_ns[0] or now, now)
+            self._gs_mark_backward(param)
         self._gs_counts[param] += 1
         if self._gs_counts[param] == self._gs_passes:
             self._gs_submit(param)
+
+    def _gs_mark_backward(self, param: torch.Tensor) -> None:
+        """Timeline: the first and latest gradient of this step. On a GPU the host runs ahead of
+        the kernels, so the times are timing events recorded on the compute stream."""
+        if param.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            first = self._gs_backward_events[0] if self._gs_backward_events else event
+            self._gs_backward_events = (first, event, param.device.index)
+            return
+        now = time.perf_counter_ns()
+        self._gs_backward_ns = (self._gs_backward_ns[0] or now, now)
+
+    def _gs_write_backward(self) -> None:
+        if self._gs_backward_ns[0]:
+            self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
+            self._gs_backward_ns = (0, 0)
+        if self._gs_backward_events is not None:
+            from .device import DEVICE
+
+            first, last, device = self._gs_backward_events
+            runtime.get().coordinator.device.gpu_span(DEVICE, device, "backward", "BACKWARD", first, last)
+            self._gs_backward_events = None
 
     def _gs_submit(self, param: torch.Tensor) -> None:
         name = f"grad.{self._gs_names[param]}"
@@ -152,9 +175,7 @@ class _DistributedOptimizer:
                 self._gs_submit(param)
         waits, self._gs_handles = self._gs_handles, {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
-        if self._gs_backward_ns[0]:
-            self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
-            self._gs_backward_ns = (0, 0)
+        self._gs_write_backward()
         for wait in waits.values():
             wait()
 
@@ -275,7 +296,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     schedulers after wrapping.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` over host (CPU) parameters.
+        optimizer: any ``torch.optim.Optimizer`` over host (CPU) or CUDA parameters (one GPU per
+            rank; see docs/gpu.md).
         named_parameters: ``model.named_parameters()``; names identify gradients across ranks and
             appear in errors. Without it, parameters are named by position ("param.<group>.<index>").
         backward_passes_per_step: backward passes accumulated locally before the allreduce
