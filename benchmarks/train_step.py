@@ -10,6 +10,13 @@ or all of them, interleaved, with a table at the end (and its numbers in a CSV f
 
     python benchmarks/train_step.py --compare --ranks 2 --repeats 3 [--model cnn] [--csv PATH]
 
+On a GPU (``--device cuda``; each rank takes the GPU of its local rank modulo the GPUs present, so
+several ranks may share one with GRADSYNC_GPU_OPERATIONS=MPI), every step ends with
+``torch.cuda.synchronize()`` so that the time covers the GPU's work; DDP then uses NCCL:
+
+    python benchmarks/train_step.py --mode single --device cuda --batch 256
+    mpiexec -n 1 python benchmarks/train_step.py --mode gradsync --device cuda --batch 256
+
 Models (--model), batch 32 per rank, SGD with momentum, torch.set_num_threads(1):
   mlp (default): 24 x (Linear(768, 768) + ReLU) + Linear(768, 10) (50 tensors, 14.2 M parameters);
   cnn: 3 x (Conv2d 3x3 + ReLU + MaxPool2d(2)) with 32/64/128 channels on 3x32x32 inputs, then
@@ -48,19 +55,24 @@ def build_model(kind: str):
     return nn.Sequential(*layers), (WIDTH,)
 
 
-def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None) -> None:
+def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None,
+            device: str = "cpu", batch: int = BATCH) -> None:
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, sample_shape = build_model(model_kind)
     rank = 0
+    cuda = device == "cuda"
     if mode == "gradsync":
         import gradsync
 
         settings = {} if fusion_threshold is None else {"fusion_threshold": fusion_threshold}
         gradsync.init(**settings)
         rank = gradsync.rank()
+        if cuda:
+            torch.cuda.set_device(gradsync.local_rank() % torch.cuda.device_count())
+            model = model.cuda()
         optimizer = gradsync.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
             named_parameters=model.named_parameters())
@@ -72,13 +84,19 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         world = MPI.COMM_WORLD
         rank = world.Get_rank()
         port = world.bcast(29500 + os.getpid() % 1000, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world.Get_size())
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            model = model.cuda()
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world.Get_size())
         model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
+        model = model.cuda() if cuda else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(BATCH, *sample_shape), torch.randint(0, 10, (BATCH,))
+    x, y = torch.randn(batch, *sample_shape), torch.randint(0, 10, (batch,))
+    if cuda:
+        x, y = x.cuda(), y.cuda()
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     for step in range(warmup + steps):
@@ -86,6 +104,8 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
     if mode == "ddp":
@@ -141,6 +161,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--fusion-threshold", type=int, default=None, help="bytes")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank per step")
     parser.add_argument("--compare", action="store_true", help="run every configuration")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -152,7 +174,8 @@ def main() -> None:
         compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")],
                 args.model, args.csv)
     else:
-        measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold)
+        measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold, args.device,
+                args.batch)
 
 
 if __name__ == "__main__":

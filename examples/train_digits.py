@@ -25,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 import gradsync
+from gradsync.metrics import Metric
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,12 +55,12 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x[gradsync.rank()::gradsync.size()], y[gradsync.rank()::gradsync.size()]
     model.eval()
     with torch.no_grad():
-        correct = (model(x).argmax(1) == y).sum().item()
+        accuracy = (model(x).argmax(1) == y).double().mean().item()
     model.train()
-    # gradsync: sum [correct, total] over all ranks.
-    counts = torch.tensor([correct, len(y)])
-    correct, total = gradsync.allreduce(counts, name="test_counts", op=gradsync.Sum).tolist()
-    return correct / total
+    # gradsync: the accuracy over all ranks' shards, each weighted by its number of samples.
+    test_accuracy = Metric("test_accuracy")
+    test_accuracy.update(accuracy, weight=len(y))
+    return test_accuracy.compute()
 
 
 def main() -> None:
@@ -99,12 +100,15 @@ def main() -> None:
     steps = len(y_train) // size // args.batch_size
     # The bar goes to stdout so that it stays in order with the printed lines.
     progress = tqdm(total=(args.epochs - start_epoch) * steps, disable=rank != 0, file=sys.stdout)
+    # gradsync: per-sample means over every rank's batches, averaged across ranks when read.
+    train_loss, train_acc = Metric("train_loss"), Metric("train_accuracy")
     for epoch in range(start_epoch, args.epochs):
         # A permutation shared by all ranks (same seed), then disjoint shards: indices[rank::size].
         epoch_rng = torch.Generator().manual_seed(args.seed + epoch)
         order = torch.randperm(len(y_train), generator=epoch_rng)
         shard = order[rank::size][:steps * args.batch_size]
-        loss_sum = correct = 0.0
+        train_loss.reset()
+        train_acc.reset()
         for batch in shard.split(args.batch_size):
             x, y = x_train[batch], y_train[batch]
             opt.zero_grad()
@@ -112,21 +116,20 @@ def main() -> None:
             loss = loss_fn(logits, y)
             loss.backward()
             opt.step()
-            loss_sum += loss.item()
-            correct += (logits.argmax(1) == y).sum().item()
+            train_loss.update(loss.item(), weight=len(y))
+            train_acc.update((logits.argmax(1) == y).double().mean().item(), weight=len(y))
             progress.update()
 
-        # gradsync: average this rank's metrics over all ranks (the name identifies each collective).
-        train_loss = gradsync.allreduce(torch.tensor(loss_sum / steps), name="train_loss").item()
-        train_acc = gradsync.allreduce(torch.tensor(correct / len(shard)), name="train_acc").item()
+        # gradsync: read the metrics (a collective: every rank computes them, rank 0 prints).
+        loss_now, acc_now = train_loss.compute(), train_acc.compute()
         test_acc = evaluate(model, x_test, y_test)
         if rank == 0:  # gradsync: one rank writes the checkpoint
             os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
                        args.checkpoint + ".tmp")
             os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never leave a half-written file
-            progress.write(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss:.4f} "
-                           f"train_accuracy={train_acc:.4f} test_accuracy={test_acc:.4f}")
+            progress.write(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss_now:.4f} "
+                           f"train_accuracy={acc_now:.4f} test_accuracy={test_acc:.4f}")
     progress.close()
 
     final = evaluate(model, x_test, y_test)

@@ -51,6 +51,7 @@ def test_the_unscored_warm_up_window_is_not_a_candidate(monkeypatch):
     assert len(tuner.scores) == len(FUSION_THRESHOLDS) + len(CYCLE_TIMES) - 1
 
 
+@pytest.mark.torch
 @pytest.mark.mpi
 def test_tuned_training_still_equals_single_process():
     result = run_mpi("train_equivalence.py", 2, "--steps", "80", timeout=180,

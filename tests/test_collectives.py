@@ -31,6 +31,15 @@ def test_every_new_op_matches_the_numpy_reference(n):
     assert min(passed.values()) > 3000, result.stdout  # no section silently stopped checking
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_new_op_on_torch_tensors(n):
+    result = run_mpi("collectives_check.py", n, "check_torch", timeout=300)
+    passed = passed_cases(result.stdout)
+    assert sorted(passed) == list(range(n)), f"not every rank finished:\n{result.stdout}"
+    assert min(passed.values()) > 100, result.stdout
+
+
 @pytest.mark.parametrize("env", [{"GRADSYNC_CACHE_CAPACITY": "0"}, {"GRADSYNC_CACHE_CAPACITY": "3"},
                                  {"GRADSYNC_FUSION_THRESHOLD": "0"}],
                          ids=["no-cache", "tiny-cache", "no-fusion"])

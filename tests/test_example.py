@@ -6,7 +6,7 @@ import pytest
 
 from mpi_launch import REPO, run_mpi
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.torch]
 EXAMPLE = REPO / "examples" / "train_digits.py"
 
 

@@ -1,10 +1,25 @@
-"""No hang when a rank fails: the survivors get an error naming the rank, the job exits non-zero."""
+"""No hang when a rank fails: the survivors get an error naming the rank, the job exits non-zero.
+
+The rank-loss jobs are launched so that the launcher does *not* clean up after a dead rank (MPICH:
+``mpiexec -disable-auto-cleanup``; Open MPI: ``--enable-recovery``), and a SIGKILLed rank runs under
+``sh -c '...; sleep'`` so that not even its death reaches the launcher (Hydra kills every rank when
+one dies of a signal, whatever the flags): what ends these jobs is gradsync's own detection, as under
+``srun`` without ``--kill-on-bad-exit``.
+"""
+
+import os
+import re
+import sys
+import time
 
 import pytest
 
-from mpi_launch import run_mpi
+from mpi_launch import WORKERS, flavour, mpiexec, run_job, run_mpi
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.torch]
+
+TIMEOUT = 3.0  # GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS in these jobs
+SLACK = 1.0  # seconds of scheduling delay allowed on a busy 2-core machine, on top of the timeout
 
 
 def test_exception_on_one_rank_releases_the_others():
@@ -14,3 +29,110 @@ def test_exception_on_one_rank_releases_the_others():
     assert "rank 0: step 1 failed" in result.stdout, result.stdout
     assert "did not complete: rank(s) [1] called gradsync.shutdown() (or exited) first" in \
         result.stdout, result.stdout
+
+
+def _no_cleanup_flags() -> list[str]:
+    return ["--enable-recovery"] if flavour() == "openmpi" else ["-disable-auto-cleanup"]
+
+
+def _leftovers(token: str, wait: float = 5.0) -> list[int]:
+    """Pids of live (not zombie) processes whose command line holds ``token``, once they had
+    ``wait`` seconds to finish dying after the launcher returned."""
+    deadline = time.monotonic() + wait
+    while True:
+        pids = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    mine = token.encode() in f.read()
+                with open(f"/proc/{entry}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                continue
+            if mine and not zombie:
+                pids.append(int(entry))
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
+
+
+def run_fault(ranks: int, mode: str, victim: int, when: str, hide_death: bool = False,
+              env: dict[str, str] | None = None):
+    """Run rank_dies.py; return (exit status, output, death time, {rank: (type, time, first line)})."""
+    if mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    token = f"fault-{os.getpid()}-{time.monotonic_ns()}"
+    program = [sys.executable, str(WORKERS / "rank_dies.py"), mode, str(victim), when, token]
+    if hide_death:
+        program = ["sh", "-c", '"$@"; sleep 300', "sh", *program]
+    cmd = [mpiexec(), *_no_cleanup_flags(), "-n", str(ranks), *program]
+    job_env = {"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": str(TIMEOUT), **(env or {})}
+    result = run_job(cmd, timeout=90, env=job_env, check=False)
+    out = result.stdout
+    assert _leftovers(token) == [], f"processes left behind:\n{out}"
+    died = re.findall(r"rank (\d+): DIED (\d+\.\d+)", out)
+    errors = {int(r): (kind, float(t), line)
+              for r, kind, t, line in re.findall(r"rank (\d+): ERROR (\w+) (\d+\.\d+) \| ([^\n]*)", out)}
+    return result.returncode, out, float(died[0][1]) if died else None, errors
+
+
+def check_survivors(ranks, victim, rc, out, died, errors, expected, bound):
+    survivors = [r for r in range(ranks) if r != victim]
+    assert rc != 0, out
+    assert died is not None, out
+    assert sorted(errors) == survivors, out
+    for rank in survivors:
+        kind, when, line = errors[rank]
+        assert kind == "RankFailureError", out
+        assert line.startswith(f"gradsync: rank {rank}: "), line
+        assert expected in line, out
+        assert when - died <= bound, f"rank {rank} failed {when - died:.2f} s after the loss:\n{out}"
+    assert "COMPLETED" not in out, out
+    return max(errors[r][1] for r in survivors) - died
+
+
+SCENARIOS = {  # name: (mode, victim (-1: the last rank), when, hide the death from the launcher)
+    "os._exit(3) while the others wait on an allreduce": ("exit", -1, "pending", False),
+    "SIGKILL during training steps": ("kill", 1, "training", True),
+    "rank 0 killed while the others wait": ("kill", 0, "pending", True),
+    "os._exit(3) inside a 128 MiB data allreduce": ("exit", -1, "data", False),
+    "os._exit(3) while a process set and the global set wait": ("exit", -1, "set", False),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_lost_rank_fails_every_survivor_within_the_timeout(scenario, ranks):
+    mode, victim, when, hide = SCENARIOS[scenario]
+    victim = victim % ranks
+    rc, out, died, errors = run_fault(ranks, mode, victim, when, hide)
+    took = check_survivors(ranks, victim, rc, out, died, errors, f"rank {victim} stopped responding",
+                           TIMEOUT + SLACK)
+    print(f"{scenario}, {ranks} ranks: every survivor failed {took:.2f} s after the loss; exit {rc}")
+    if when == "data":  # they were inside the data allreduce, not negotiating
+        assert "in allreduce 'big'" in out, out
+    # Later calls fail at once with the same error.
+    assert len(re.findall(rf"AGAIN RankFailureError \| [^\n]*rank {victim} stopped responding", out)) \
+        == ranks - 1, out
+
+
+def test_a_rank_that_exits_with_status_0_still_makes_the_job_fail():
+    rc, out, died, errors = run_fault(2, "exit0", 1, "pending")
+    check_survivors(2, 1, rc, out, died, errors, "rank 1 stopped responding", TIMEOUT + SLACK)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_failed_coordinator_thread_is_raised_here_and_stops_the_others_at_once(ranks):
+    rc, out, _, errors = run_fault(ranks, "coordinator", 1, "steps",
+                                   env={"GRADSYNC_TEST_FAULT": "coordinator:1:5"})
+    # On the failing rank: its pending call and the next one raise the coordinator's exception.
+    kind, failed_at, line = errors[1]
+    assert kind == "GradsyncError", out
+    assert "the background coordinator failed: RuntimeError: fault injected by GRADSYNC_TEST_FAULT at " \
+        "cycle 5" in line, out
+    assert re.search(r"rank 1: AGAIN GradsyncError \| [^\n]*background coordinator failed", out), out
+    # The others are told at once (well before the timeout), with the rank and its exception.
+    others = {r: v for r, v in errors.items() if r != 1}
+    took = check_survivors(ranks, 1, rc, out, failed_at, others,
+                           "rank 1's background coordinator failed: RuntimeError: fault injected", 1.0)
+    print(f"coordinator fault, {ranks} ranks: every other rank failed {took:.2f} s later; exit {rc}")

@@ -2,7 +2,9 @@
 
 The checks themselves live in tests/workers/ops_check.py (one MPI job runs them all); see its
 docstring for what is covered and how the reference is computed. Each rank prints
-``ops_check rank R: N cases passed`` once every check passed, and aborts the job otherwise.
+``ops_check rank R: N cases passed`` once every check passed, and aborts the job otherwise. The jobs
+run on numpy arrays alone and end by checking that nothing imported torch; the torch tensor section
+runs in a job of its own, from the test marked ``torch``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from mpi_launch import run_mpi
 
 # Not anchored to line starts: mpiexec may interleave the ranks' output.
 SUMMARY = re.compile(r"ops_check rank (\d+): (\d+) cases passed")
+NO_TORCH = re.compile(r"ops_check rank (\d+): \d+ cases passed; torch not imported")
 
 # The sections of ops_check.py that involve allreduce, whose execution depends on fusion.
 ALLREDUCE_SECTIONS = (
@@ -25,8 +28,11 @@ ALLREDUCE_SECTIONS = (
 
 
 def passed_cases(output: str) -> dict[int, int]:
-    """rank -> number of cases that rank reported as passed."""
-    return {int(rank): int(count) for rank, count in SUMMARY.findall(output)}
+    """rank -> number of cases that rank reported as passed, where every rank also reported that
+    torch was never imported."""
+    passed = {int(rank): int(count) for rank, count in SUMMARY.findall(output)}
+    assert sorted(int(rank) for rank in NO_TORCH.findall(output)) == sorted(passed), output
+    return passed
 
 
 @pytest.mark.mpi
@@ -58,3 +64,14 @@ def test_every_op_is_right_without_or_with_a_tiny_response_cache(capacity):
     passed = passed_cases(result.stdout)
     assert sorted(passed) == [0, 1], result.stdout
     assert min(passed.values()) > 2000, result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.torch
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_op_on_torch_tensors_matches_the_numpy_reference(n):
+    result = run_mpi("ops_check.py", n, "check_torch", timeout=180)
+    passed = {int(rank): int(count) for rank, count in SUMMARY.findall(result.stdout)}
+    assert sorted(passed) == list(range(n)), f"not every rank finished:\n{result.stdout}"
+    assert min(passed.values()) > 150, result.stdout
+    assert "torch not imported" not in result.stdout

@@ -45,6 +45,7 @@ def test_srun_ranks_and_local_ranks_are_slurms_task_ids():
         assert row["cross"] == "0/1", out
 
 
+@pytest.mark.torch
 def test_srun_training_equals_single_process_training():
     out = srun(right_plugin(), 2, "train_equivalence.py", timeout=180).stdout
     assert out.count("EQUIVALENT") == 2, out
@@ -86,6 +87,7 @@ def docs_sbatch_template() -> str:
     return block.split("```sh\n")[1].split("```")[0]
 
 
+@pytest.mark.torch
 def test_the_sbatch_script_from_the_docs_trains_like_a_single_process(tmp_path: Path):
     template = docs_sbatch_template()
     program = "srun --mpi=pmix .venv/bin/python train.py"

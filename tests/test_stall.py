@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from gradsync.liveness import LivenessTiming
 from gradsync.stall_inspector import StallClock, StallInspector, heartbeat_interval
 from mpi_launch import run_mpi
 
@@ -65,3 +66,20 @@ def test_stall_warns_then_shuts_down_every_rank(ranks, cache):
     assert all(3.0 <= t <= 6.0 for t in times), times
     assert "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS=3" in out
     assert f"rank {last}: after the stall: StallError" in out, out
+
+
+def test_the_heartbeat_follows_the_shortest_deadline_that_is_on():
+    assert heartbeat_interval(0, 30) == 7.5  # failure detection alone needs it too
+    assert heartbeat_interval(60, 30) == 7.5
+    assert heartbeat_interval(2, 30) == 0.5
+    assert heartbeat_interval(0, 0) is None
+
+
+@pytest.mark.parametrize("timeout", [0.5, 3, 30, 600])
+def test_liveness_periods_detect_within_the_timeout_without_false_alarms(timeout):
+    timing = LivenessTiming.from_timeout(timeout, heartbeat_interval(0, timeout))
+    # Worst case to a verdict: blocked within a heartbeat, watching after suspect + a tick, silent
+    # for `silence`, noticed a tick later.
+    assert timing.heartbeat + timing.suspect + timing.tick + timing.silence + timing.tick <= timeout
+    # A live rank's liveness messages are never further apart than the silence that condemns it.
+    assert timing.heartbeat + timing.suspect + 2 * timing.tick < timing.silence

@@ -29,6 +29,7 @@ def test_unterminated_trace_still_loads(tmp_path):
     assert timeline.load(str(path))[0]["dur"] == 2
 
 
+@pytest.mark.torch
 @pytest.mark.mpi
 def test_training_writes_every_phase_per_rank(tmp_path):
     pattern = str(tmp_path / "trace.{rank}.json")

@@ -9,7 +9,7 @@ import pytest
 
 from mpi_launch import run_mpi
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.torch]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

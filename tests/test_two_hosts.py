@@ -41,6 +41,7 @@ def test_ranks_on_different_hosts_get_their_local_and_cross_ranks(per_host, expe
     assert topology(out) == expected, out
 
 
+@pytest.mark.torch
 def test_training_over_tcp_equals_single_process_training():
     before = veth_bytes()
     out = run_two_hosts(1, "train_equivalence.py").stdout
@@ -60,6 +61,7 @@ def test_hierarchical_allreduce_equals_the_flat_one_on_two_hosts_of_two_ranks():
     assert veth_bytes() - before > 2 * 2_400_000, "the allreduces did not cross the link"
 
 
+@pytest.mark.torch
 def test_hierarchical_training_on_two_hosts_equals_single_process_training():
     out = run_two_hosts(2, "train_equivalence.py",
                         env={"GRADSYNC_HIERARCHICAL_ALLREDUCE": "1"}).stdout

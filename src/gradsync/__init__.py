@@ -20,7 +20,16 @@ import os as _os
 # initialises, which happens when a gradsync module first imports mpi4py.MPI: so, here, first.
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
-from .errors import CollectiveError, GradsyncError, NotInitializedError, ShutdownError, StallError
+from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
+from .compression import Compression, Compressor
+from .errors import (
+    CollectiveError,
+    GradsyncError,
+    NotInitializedError,
+    RankFailureError,
+    ShutdownError,
+    StallError,
+)
 from .handles import GroupHandle, Handle
 from .nccl import nccl_built, nccl_version
 from .ops import (
@@ -51,6 +60,7 @@ from .ops import (
     reducescatter_async,
     synchronize,
 )
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .protocol import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     cross_rank,
@@ -86,8 +96,10 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle", "GroupHandle",
-    "nccl_built", "nccl_version",
+    "nccl_built", "nccl_version", "Compression", "Compressor",
     "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
+    "RankFailureError",
     *_TORCH_NAMES,
 ]

@@ -1,21 +1,26 @@
 """Framework-agnostic access to tensors: numpy arrays, torch tensors, any DLPack / array-API array.
 
 The core works on host (CPU) memory through numpy *views* that share memory with the caller's
-tensor, so in-place operations write straight into it. An :class:`ArrayAdapter` per framework says
-how to get that view, the tensor's dtype, shape and device, and how to allocate an output of the same
-kind. The torch adapter lives in :mod:`gradsync.torch` and is imported only when a torch tensor is
-first seen, so the core never imports a deep-learning framework.
+tensor, so in-place operations write straight into it. Tensors in GPU memory are handed to the
+coordinator as they are, with their framework's :class:`gradsync.device.DeviceRuntime`. An
+:class:`ArrayAdapter` per framework says how to get that view, the tensor's dtype, shape and device,
+and how to allocate an output of the same kind. The torch adapter lives in :mod:`gradsync.torch` and
+is imported only when a torch tensor is first seen, so the core never imports a deep-learning
+framework.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from . import dtypes
+
+if TYPE_CHECKING:
+    from .device import DeviceRuntime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,10 @@ class ArrayAdapter(Protocol):
     def from_host(self, like: Any, array: np.ndarray) -> Any:
         """``array`` (a numpy array) as an array of ``like``'s framework, in host memory."""
 
+    def device_runtime(self, x: Any) -> DeviceRuntime | None:
+        """The :class:`gradsync.device.DeviceRuntime` of ``x``'s framework when ``x`` is in device
+        memory; None for host arrays."""
+
 
 class NumpyAdapter:
     """numpy.ndarray: the view is the array itself."""
@@ -57,6 +66,9 @@ class NumpyAdapter:
 
     def from_host(self, like: np.ndarray, array: np.ndarray) -> np.ndarray:
         return array
+
+    def device_runtime(self, x: np.ndarray) -> None:
+        return None
 
 
 class DLPackAdapter:
@@ -78,13 +90,18 @@ class DLPackAdapter:
     def from_host(self, like: Any, array: np.ndarray) -> Any:
         return like.__array_namespace__().asarray(array)
 
+    def device_runtime(self, x: Any) -> None:
+        return None  # device arrays of other frameworks are refused by gradsync.ops
+
 
 _NUMPY = NumpyAdapter()
 _DLPACK = DLPackAdapter()
 
 
 def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
-    """The adapter for ``x``'s framework.
+    """The adapter for ``x``'s framework: numpy, torch (``gradsync.torch.array``), CuPy
+    (``gradsync.cupy``, imported on first sight), an array type that names its own adapter in a
+    ``__gradsync_adapter__`` class attribute, or any DLPack/array-API array.
 
     Raises:
         TypeError: ``x`` is not an array gradsync can read (message names the tensor ``name``).
@@ -94,6 +111,11 @@ def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
     module = type(x).__module__.partition(".")[0]
     if module == "torch":
         return importlib.import_module("gradsync.torch.array").TORCH
+    if module == "cupy":
+        return importlib.import_module("gradsync.cupy").ADAPTER
+    own = getattr(type(x), "__gradsync_adapter__", None)
+    if own is not None:
+        return own
     if hasattr(x, "__dlpack__") and hasattr(x, "__array_namespace__"):
         return _DLPACK
     label = f"tensor {name!r}" if name else "the tensor"

@@ -59,13 +59,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "stall_check_time_seconds", float, 60.0, "seconds",
         "After this long, rank 0 warns about every collective that some ranks submitted and others did "
-        "not, listing both groups of ranks. 0 disables the stall inspector (and the idle heartbeat it "
-        "needs: an idle coordinator then sleeps until work arrives).",
+        "not, listing both groups of ranks. 0 disables the stall inspector (and, unless rank failure "
+        "detection is on, the idle heartbeat it needs: an idle coordinator then sleeps until work arrives).",
     ),
     Setting(
         "stall_shutdown_time_seconds", float, 0.0, "seconds",
         "After this long stalled, gradsync shuts down on every rank and every pending collective fails "
         "with the stall report (StallError). 0: never; only the warning.",
+    ),
+    Setting(
+        "rank_failure_timeout_seconds", float, 30.0, "seconds",
+        "A rank whose process died or hung is declared lost within this time: every pending and later "
+        "operation on the other ranks fails with RankFailureError naming it, and gradsync aborts the "
+        "MPI job at exit (non-zero exit status). Also makes an idle coordinator join a negotiation "
+        "cycle every quarter of it (at most every 15 s). 0 disables detection; otherwise at least 0.5.",
     ),
     Setting(
         "join_divisor", str, "size", "name",
@@ -99,12 +106,39 @@ SETTINGS: tuple[Setting, ...] = (
         "How long autotune measures each candidate setting.",
     ),
     Setting(
+        "gpu_operations", str, "", "name",
+        "How collectives of GPU tensors move data: 'NCCL' (device buffers, NCCL on a CUDA stream of "
+        "its own) or 'MPI' (through pinned host buffers and MPI; lets several ranks share one GPU). "
+        "Empty: NCCL when the NCCL library loads, else MPI. Must be the same on every rank.",
+    ),
+    Setting(
         "log_level", str, "WARNING", "name",
         "Level of the 'gradsync' logger: DEBUG, INFO, WARNING, ERROR.",
     ),
 )
 
 _BY_FIELD = {s.field: s for s in SETTINGS}
+MIN_FAILURE_TIMEOUT = 0.5  # seconds; below it the liveness periods derived from it become too short
+
+
+def injected_fault(environ: dict[str, str] | None = None) -> tuple[str, int, int] | None:
+    """The fault that ``GRADSYNC_TEST_FAULT`` asks to inject, for gradsync's own tests only.
+
+    ``GRADSYNC_TEST_FAULT=coordinator:<rank>:<cycle>`` makes the background coordinator of rank
+    ``<rank>`` raise ``RuntimeError`` at the start of its ``<cycle>``-th negotiation cycle (counted
+    from 1). Not a user setting: it is not in :data:`SETTINGS` and never needed outside tests.
+    Returns ``(where, rank, cycle)`` or None when unset.
+
+    Raises:
+        ValueError: the value does not have that form.
+    """
+    text = (os.environ if environ is None else environ).get("GRADSYNC_TEST_FAULT", "")
+    if not text:
+        return None
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] != "coordinator" or not (parts[1].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"GRADSYNC_TEST_FAULT={text!r}: expected coordinator:<rank>:<cycle>")
+    return parts[0], int(parts[1]), int(parts[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,12 +150,14 @@ class Config:
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0
+    rank_failure_timeout_seconds: float = 30.0
     join_divisor: str = "size"
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
     timeline: str = ""
     autotune: bool = False
     autotune_window: float = 2.0
+    gpu_operations: str = ""
     log_level: str = "WARNING"
 
     @classmethod
@@ -154,6 +190,10 @@ class Config:
                 raise ValueError(f"{source}={raw!r} is not a valid {setting.unit} value: {exc}") from None
             if setting.field == "join_divisor" and value not in ("size", "contributors"):
                 raise ValueError(f"{source}={raw!r} must be 'size' or 'contributors'")
+            if setting.field == "rank_failure_timeout_seconds" and 0 < value < MIN_FAILURE_TIMEOUT:
+                raise ValueError(f"{source}={raw!r} must be 0 (off) or at least {MIN_FAILURE_TIMEOUT} s")
+            if setting.field == "gpu_operations" and value.strip().lower() not in ("", "nccl", "mpi"):
+                raise ValueError(f"{source}={raw!r} must be NCCL or MPI (or empty: NCCL when it loads)")
             if isinstance(value, (int, float)) and value < 0:
                 raise ValueError(f"{source}={raw!r} must not be negative ({setting.unit})")
             values[setting.field] = value

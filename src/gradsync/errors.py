@@ -27,6 +27,21 @@ class ShutdownError(GradsyncError):
     """The background coordinator stopped while this operation was still pending."""
 
 
+class RankFailureError(GradsyncError):
+    """Another rank was lost: its process died or hung (no liveness message within
+    ``GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS``), or its background coordinator failed.
+
+    Every pending and later gradsync operation on every surviving rank fails with it; the first line
+    of the message names the lost rank(s). ``lost_ranks`` holds them. MPI cannot finish cleanly with
+    a lost peer, so at ``gradsync.shutdown()`` (or interpreter exit) gradsync then calls
+    ``MPI_Abort``: the launcher's exit status is non-zero.
+    """
+
+    def __init__(self, message: str, lost_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.lost_ranks = lost_ranks
+
+
 class StallError(CollectiveError):
     """Some ranks submitted a collective that others did not, for longer than
     ``GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS``; the message is the stall report (tensor, ranks)."""

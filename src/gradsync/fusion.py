@@ -34,7 +34,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
                    with_requests: bool = False) -> list[Response]:
     """Group ready allreduce requests into fused responses.
 
-    Requests with the same (dtype, op, prescale, postscale) are packed in order into responses of at
+    Requests with the same (dtype, op, prescale, postscale, device) are packed in order into responses of at
     most ``threshold`` bytes; a request larger than ``threshold`` gets a response of its own. The
     order of responses is the order of their first request, so every rank that runs the same plan
     moves the same bytes in the same order. ``sizes``: each request's :func:`nbytes`, if known
@@ -47,7 +47,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
         if size > threshold:
             groups.append([request])
             continue
-        key = request[3:4] + request[5:6] + request[7:9]  # dtype, op, prescale, postscale
+        key = request[3:4] + request[5:6] + request[7:9] + request[12:]  # dtype, op, scales, device
         current = open_group.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(request)

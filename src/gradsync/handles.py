@@ -5,21 +5,29 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+_COMPLETING = threading.Lock()
+
 
 class Handle:
     """The pending result of one asynchronous collective (returned by the ``*_async`` ops).
 
     Wait with :func:`gradsync.synchronize` (or :meth:`wait`), test with :func:`gradsync.poll`.
     A handle completes exactly once, with a result or with an exception.
+
+    A collective of device tensors completes when its work is *enqueued* on gradsync's CUDA stream;
+    the handle then carries the event recorded after that work (``completion``), and :meth:`wait`
+    makes the caller's current stream wait on it: kernels the caller enqueues afterwards see the
+    result, and the host does not block.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error")
+    __slots__ = ("name", "_event", "_result", "_error", "_completion")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._completion: tuple[Any, int, Any] | None = None  # (device runtime, device, done event)
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
@@ -28,6 +36,9 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its output tensor.
 
+        For device tensors this returns once the collective is enqueued, after making the caller's
+        current CUDA stream wait for it (cudaStreamWaitEvent; the host does not wait for the GPU).
+
         Args:
             timeout: seconds to wait at most; ``None`` waits until it finishes.
 
@@ -35,20 +46,30 @@ class Handle:
             TimeoutError: ``timeout`` passed first (the collective stays pending).
             gradsync.CollectiveError, gradsync.ShutdownError: the collective failed; the message
                 names the tensor and the rank.
+            gradsync.RankFailureError: another rank was lost (died, hung, or its coordinator
+                failed); the message names it.
         """
         if not self._event.wait(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
+        if self._completion is not None:
+            runtime, device, done = self._completion
+            runtime.wait(runtime.current_stream(device), done)
         return self._result
 
-    def _set_result(self, result: Any) -> None:
-        self._result = result
-        self._event.set()
+    def _set_result(self, result: Any, completion: tuple[Any, int, Any] | None = None) -> None:
+        with _COMPLETING:  # the first completion wins: the watchdog may fail a handle concurrently
+            if not self._event.is_set():
+                self._result = result
+                self._completion = completion
+                self._event.set()
 
     def _set_error(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
+        with _COMPLETING:
+            if not self._event.is_set():
+                self._error = error
+                self._event.set()
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done() else "pending")

@@ -43,7 +43,7 @@ log = logging.getLogger("gradsync")
 # Fields on which every rank must agree, with the word used in error messages.
 _AGREED_FIELDS = (("kind", "collective"), ("dtype", "dtype"), ("op", "op"), ("root", "root rank"),
                   ("prescale", "prescale_factor"), ("postscale", "postscale_factor"),
-                  ("group", "group"), ("group_size", "group size"))
+                  ("group", "group"), ("group_size", "group size"), ("device", "device"))
 # Collectives whose first dimension may differ between ranks.
 _VARIABLE_FIRST_DIM = (Kind.ALLGATHER, Kind.ALLTOALL)
 
@@ -60,6 +60,7 @@ class MessageTable:
         self._first_seen: dict[str, float] = {}
         self._held: dict[str, list[str]] = {}  # group -> its members ready so far, until all are
         self.joined: list[int] = []  # ranks that called join(), in the order they did
+        self._elsewhere: dict[str, dict[int, int]] = {}  # name -> {rank: other process set id}
 
     def cycle(self, gathered: Iterable[RankMessage]) -> CycleReply:
         """Take one cycle's messages (one :class:`RankMessage` per rank, in rank order)."""
@@ -141,11 +142,18 @@ class MessageTable:
                 continue  # join() waits for the other ranks by design
             submitted[name] = {r for r, slot in enumerate(slots) if slot is not None}
             ages[name] = now - self._first_seen[name]
+        # Remembered between reports: the other set may have given up on its collective already.
+        elsewhere = self._elsewhere
         for rank, message in enumerate(messages):
-            for name, age in message.pending or ():
+            for name, age, other_set in message.pending or ():
+                if other_set is not None:  # pending on another process set of that rank
+                    elsewhere.setdefault(name, {})[rank] = other_set
+                    continue
                 submitted.setdefault(name, set()).add(rank)
                 ages[name] = max(ages.get(name, 0.0), age)
-        report, shut = self.inspector.inspect(submitted, ages)
+        for name in [n for n in elsewhere if n not in submitted]:
+            del elsewhere[name]
+        report, shut = self.inspector.inspect(submitted, ages, elsewhere)
         if report is not None:
             log.warning("gradsync: rank 0: %s", report)
         return report if shut else None
@@ -245,7 +253,7 @@ def _show(value) -> str:
 class Negotiator:
     """This rank's side of negotiation; used by the coordinator thread only (it owns ``comm``)."""
 
-    def __init__(self, comm, config: Config) -> None:
+    def __init__(self, comm, config: Config, process_set_id: int = 0) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.fusion_threshold = config.fusion_threshold
@@ -256,7 +264,7 @@ class Negotiator:
             inspector = None
             if config.stall_check_time_seconds > 0:
                 inspector = StallInspector(comm.Get_size(), config.stall_check_time_seconds,
-                                           config.stall_shutdown_time_seconds)
+                                           config.stall_shutdown_time_seconds, process_set_id)
             self.table = MessageTable(comm.Get_size(), config.fusion_threshold, inspector)
         self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
         self._words = math.ceil(config.cache_capacity / 64)
@@ -271,11 +279,12 @@ class Negotiator:
         self.full_cycles = self.cached_cycles = 0
 
     def cycle(self, requests: list[Request], shutdown: bool, stall: bool = False,
-              pending: Callable[[], tuple[tuple[str, float], ...]] = tuple) -> CycleReply:
+              pending: Callable[[], tuple[tuple[str, float, int | None], ...]] = tuple) -> CycleReply:
         """Negotiate one cycle with every rank; returns the responses all ranks will execute, in order.
 
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
-        for (name, seconds waited), sent when a report is being made.
+        for (name, seconds waited, None) and what it waits for on its other process sets
+        (name, 0.0, process set id)        for (name, seconds waited), sent when a report is being made.
         """
         if self._partial or any(map(_GROUP, requests)):
             requests = self._whole_groups(requests)

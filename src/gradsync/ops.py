@@ -6,8 +6,9 @@ same order on every rank, whatever order the ranks submitted in. ``*_async`` ops
 
 Names identify a collective across ranks: every rank must use the same name for the same
 collective. Unnamed ops are named by kind and by how many unnamed ops of that kind this rank
-issued before, so ranks must issue their unnamed ops in the same order. The members of a grouped
-op named ``g`` are named ``g.0``, ``g.1``, ... in the order of the input tensors.
+issued before (on the same process set), so ranks must issue their unnamed ops in the same order.
+The members of a grouped op named ``g`` are named ``g.0``, ``g.1``, ... in the order of the input
+tensors.
 """
 
 from __future__ import annotations
@@ -20,23 +21,27 @@ import numpy as np
 
 from . import dtypes, runtime
 from .arrays import adapter_for
-from .coordinator import Entry
+from .coordinator import Coordinator, Entry
+from .device import DeviceRuntime, device_kind
 from .fusion import split_rows
 from .handles import GroupHandle, Handle
+from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
 
 _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
 
-def _prepare(tensor: Any, name: str | None, kind: Kind, where: str | None = None):
-    """Check ``tensor`` is something gradsync can move; return runtime, adapter, info and the label
-    that names it in errors (``where``, if given). An unnamed op gets its name only once every check
-    passed (_name), so a call rejected on one rank does not shift the names of that rank's later
-    unnamed ops."""
+def _prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet,
+             where: str | None = None):
+    """Check ``tensor`` is something gradsync can move; return the process set's coordinator,
+    adapter, info, the tensor's device runtime (None in host memory) and the label that names it in
+    errors (``where``, if given). An unnamed op gets its name only once every check passed (_name),
+    so a call rejected on one rank does not shift the names of that rank's later unnamed ops."""
     rt = runtime.get()
     if where is None:
         label = "(unnamed)" if name is None else repr(str(name))
         where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
+    coordinator = rt.coordinator_for(process_set, where)
     try:
         adapter = adapter_for(tensor, name)
         info = adapter.info(tensor)
@@ -44,15 +49,26 @@ def _prepare(tensor: Any, name: str | None, kind: Kind, where: str | None = None
         raise TypeError(f"{where}: {str(exc).removeprefix('gradsync: ')}") from None
     if info.dtype not in dtypes.NUMPY_DTYPES:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
-    if info.device != "cpu":
-        raise TypeError(f"{where}: the tensor is on {info.device}; this version of gradsync "
-                        "moves host (CPU) memory only")
-    return rt, adapter, info, where
+    device = None
+    if device_kind(info.device) != "cpu":
+        device = adapter.device_runtime(tensor) if device_kind(info.device) == "cuda" else None
+        if device is None:
+            raise TypeError(f"{where}: the tensor is on {info.device}; gradsync moves host (CPU) "
+                            "memory, torch CUDA tensors and CuPy arrays")
+    return coordinator, adapter, info, device, where
 
 
-def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str):
+def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where: str,
+            device: DeviceRuntime | None = None):
     """The input's view, the result's view and the result: the tensor itself when in place (which
-    must then be writable), else a new tensor of the same kind."""
+    must then be writable), else a new tensor of the same kind. Views are numpy views of host
+    memory, or for device tensors ``device.view`` of them."""
+    if device is not None:
+        source = device.view(tensor)
+        if in_place:
+            return source, source, tensor
+        result = adapter.empty(tensor, shape)
+        return source, device.view(result), result
     source = adapter.host_view(tensor)
     if in_place:
         if not source.flags.writeable:
@@ -62,8 +78,40 @@ def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
     return source, adapter.host_view(result), result
 
 
-def _name(rt: runtime.Runtime, name: str | None, kind: str) -> str:
-    return rt.auto_name(kind) if name is None else str(name)
+def _entry(request: Request, source: Any, target: Any, result: Any, device: DeviceRuntime | None,
+           allocate=None) -> Entry:
+    """The coordinator's entry; for a device tensor it records, on the caller's current stream, the
+    event after which the tensor's data is ready (the coordinator's stream waits for it)."""
+    entry = Entry(request, Handle(request.name), source, target, result, allocate)
+    if device is not None:
+        entry.runtime = device
+        entry.device = device.device_index(source)
+        entry.ready = device.event()
+        device.record(entry.ready, device.current_stream(entry.device))
+    return entry
+
+
+def _name(coordinator: Coordinator, name: str | None, kind: str) -> str:
+    if name is not None:
+        return str(name)
+    return runtime.get().auto_name(kind, coordinator.process_set_id)
+
+
+def _root(coordinator: Coordinator, root_rank: Any, where: str) -> int:
+    """``root_rank`` (a world rank) as a rank of the coordinator's process set.
+
+    Raises:
+        ValueError: not an integer rank of the set (the message lists the set's ranks).
+    """
+    ranks = list(coordinator.world_ranks or range(coordinator.size))
+    if isinstance(root_rank, (int, np.integer)) and not isinstance(root_rank, bool):
+        if root_rank in ranks:
+            return ranks.index(int(root_rank))
+    if coordinator.world_ranks is None:
+        raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
+                         f"(0 .. {coordinator.size - 1})")
+    raise ValueError(f"{where}: root_rank={root_rank!r} is not a member of process set "
+                     f"{coordinator.process_set_id} (world ranks {coordinator.world_ranks})")
 
 
 def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, postscale: float):
@@ -75,12 +123,19 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
                         f"floating-point tensor, but it is {dtype}")
 
 
+def _host_only(device: DeviceRuntime | None, kind: Kind, where: str) -> None:
+    if device is not None:
+        raise TypeError(f"{where}: {kind.name.lower()} of GPU tensors is not supported yet (allreduce, "
+                        "grouped allreduce, broadcast and allgather are); copy the tensor to the host")
+
+
 def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale_factor: float,
-               postscale_factor: float, in_place: bool, where: str | None = None):
+               postscale_factor: float, in_place: bool, process_set: ProcessSet,
+               where: str | None = None):
     """Check the input of an allreduce or reducescatter (one member of a group, given ``where``);
-    return the runtime, the tensor's dtype, the Request fields after kind and rank (dtype .. postscale)
-    and the Entry's (source, target, result)."""
-    rt, adapter, info, where = _prepare(tensor, name, kind, where)
+    return the coordinator, the tensor's dtype, the Request fields after kind and rank
+    (dtype .. postscale), the device kind, the Entry's (source, target, result) and the device runtime."""
+    coordinator, adapter, info, device, where = _prepare(tensor, name, kind, process_set, where)
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -89,58 +144,72 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
     _check_reduction(where, info.dtype, op, prescale, postscale)
     shape = info.shape
     if kind == Kind.REDUCESCATTER:
+        _host_only(device, kind, where)
         if len(shape) == 0:
             raise ValueError(f"{where}: needs at least one dimension to scatter, got a 0-d tensor "
                              "(reshape it to (1,))")
-        shape = (split_rows(shape[0], rt.size)[rt.rank],) + tuple(shape[1:])
-    views = _output(adapter, tensor, shape, in_place, where)
-    return rt, info.dtype, (info.dtype, info.shape, op, -1, prescale, postscale), views
+        shape = (split_rows(shape[0], coordinator.size)[coordinator.rank],) + tuple(shape[1:])
+    views = _output(adapter, tensor, shape, in_place, where, device)
+    fields = (info.dtype, info.shape, op, -1, prescale, postscale)
+    return coordinator, info.dtype, fields, device_kind(info.device), views, device
 
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
-               postscale_factor: float, in_place: bool, kind: Kind = Kind.ALLREDUCE) -> Handle:
-    rt, _, fields, views = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor,
-                                      in_place)
-    name = _name(rt, name, kind.name.lower())
-    return rt.coordinator.submit(Entry(Request(name, kind, rt.rank, *fields), Handle(name), *views))
+               postscale_factor: float, in_place: bool, process_set: ProcessSet,
+               kind: Kind = Kind.ALLREDUCE) -> Handle:
+    coordinator, _, fields, memory, views, device = _reduction(
+        tensor, name, kind, op, prescale_factor, postscale_factor, in_place, process_set)
+    name = _name(coordinator, name, kind.name.lower())
+    request = Request(name, kind, coordinator.rank, *fields, device=memory)
+    return coordinator.submit(_entry(request, *views, device))
 
 
 def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
-             prescale_factor: float, postscale_factor: float, in_place: bool) -> GroupHandle:
+             prescale_factor: float, postscale_factor: float, in_place: bool,
+             process_set: ProcessSet) -> GroupHandle:
     """Check every member, then submit them all at once as one group (or none, on any error)."""
     rt = runtime.get()
     label = "(unnamed)" if name is None else repr(str(name))
     where = f"gradsync: rank {rt.rank}: grouped_{kind.name.lower()} {label}"
+    coordinator = rt.coordinator_for(process_set, where)
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{where}: tensors must be a list or tuple of tensors, got a "
                         f"{type(tensors).__module__}.{type(tensors).__qualname__}")
     if not tensors:
         raise ValueError(f"{where}: the group is empty; pass at least one tensor")
     members = [_reduction(t, None, kind, op, prescale_factor, postscale_factor, in_place,
-                          f"{where}, member {i}") for i, t in enumerate(tensors)]
-    dtypes_seen = [dtype for _, dtype, _, _ in members]
-    if len(set(dtypes_seen)) > 1:
-        listed = ", ".join(f"member {i}: {d}" for i, d in enumerate(dtypes_seen))
-        raise TypeError(f"{where}: every member of a group must have the same dtype (they are fused "
-                        f"into one buffer); got {listed}")
-    group = _name(rt, name, f"grouped_{kind.name.lower()}")
-    entries = [Entry(Request(f"{group}.{i}", kind, rt.rank, *fields, (), group, len(members)),
-                     Handle(f"{group}.{i}"), *views) for i, (_, _, fields, views) in enumerate(members)]
-    return GroupHandle(group, rt.coordinator.submit_group(entries))
+                          process_set, f"{where}, member {i}") for i, t in enumerate(tensors)]
+    for what, position in (("dtype", 1), ("kind of memory", 3)):
+        seen = [member[position] for member in members]
+        if len(set(seen)) > 1:
+            listed = ", ".join(f"member {i}: {v}" for i, v in enumerate(seen))
+            raise TypeError(f"{where}: every member of a group must have the same {what} (they are "
+                            f"fused into one buffer); got {listed}")
+    group = _name(coordinator, name, f"grouped_{kind.name.lower()}")
+    entries = [_entry(Request(f"{group}.{i}", kind, coordinator.rank, *fields, (), group, len(members),
+                              device=memory), *views, device)
+               for i, (_, _, fields, memory, views, device) in enumerate(members)]
+    return GroupHandle(group, coordinator.submit_group(entries))
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of ``tensor`` into a new tensor; same semantics as MPI_Allreduce.
 
     Args:
         tensor: any shape (zero-size and non-contiguous included) and a dtype of
-            :data:`gradsync.dtypes.SUPPORTED`, in host memory; the same shape and dtype on every rank.
+            :data:`gradsync.dtypes.SUPPORTED`, in host memory or (a torch CUDA tensor, a CuPy array)
+            on this rank's GPU; the same shape, dtype and kind of device on every rank. A device
+            tensor is reduced on gradsync's CUDA stream: the handle completes when that work is
+            enqueued, and synchronize() makes the caller's current stream wait for it
+            (docs/gpu.md).
         name: identifies the collective across ranks (see the module docstring).
         op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
         prescale_factor: multiplies the input before the reduction (floating dtypes only).
         postscale_factor: multiplies the result after it (floating dtypes only).
+        process_set: the ranks that take part (default: every rank); Average divides by its size.
 
     Returns:
         A handle; :func:`synchronize` returns a new tensor of the same type, shape and dtype.
@@ -150,33 +219,40 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         NotInitializedError: before ``init()``.
         TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
             integer tensor. The message names the tensor and the rank.
-        ValueError: unknown ``op``; a collective of that name still in flight on this rank.
+        ValueError: unknown ``op``; a collective of that name still in flight on this rank;
+            ``process_set`` not registered or this rank not a member of it; a device tensor on
+            another GPU than this rank's earlier ones.
         CollectiveError (from synchronize): ranks disagreed on dtype, shape, op or factors; the
             message lists each rank's value.
     """
-    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, in_place=False)
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, process_set)
 
 
 def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place form of :func:`allreduce_async`: the result is written into ``tensor`` itself.
 
     Do not read or write ``tensor`` until the handle completes. Same arguments and errors as
     :func:`allreduce_async`, plus ValueError for a read-only array.
     """
-    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, in_place=True)
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, True, process_set)
 
 
 def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async`: returns the reduced tensor (a new one)."""
-    return synchronize(allreduce_async(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
+                                       process_set))
 
 
 def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async_`: reduces ``tensor`` in place and returns it."""
-    return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
+                                        process_set))
 
 
 _GROUPED_DOC = """
@@ -190,7 +266,8 @@ _GROUPED_DOC = """
 
 def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
                             op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> GroupHandle:
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start an allreduce of every tensor of ``tensors`` as one group, each into a new tensor.
 
     Args:
@@ -209,35 +286,43 @@ def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
         ValueError: an empty group; unknown ``op``; a member name still in flight.
         CollectiveError (from synchronize): the whole group failed, see below.
     """
-    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, False)
+    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, False,
+                    process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
                              op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> GroupHandle:
+                             postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """In-place :func:`grouped_allreduce_async`: each result is written into its input tensor.
 
     Same arguments and errors, plus ValueError for a read-only member.
     """
-    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, True)
+    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, True,
+                    process_set)
 
 
 def grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
                       op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[Any]:
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced (new) tensors."""
-    return synchronize(grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
+                                               process_set))
 
 
 def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
                        op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[Any]:
+                       postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async_`: reduces every tensor in place, returns the list."""
-    return synchronize(grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reducescatter: reduce ``tensor`` across ranks, and give each rank its rows of the result.
 
     Same semantics as MPI_Reduce_scatter along dimension 0. The N rows are split as evenly as
@@ -257,18 +342,22 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = Red
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, Kind.REDUCESCATTER)
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, process_set,
+                      Kind.REDUCESCATTER)
 
 
 def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`reducescatter_async`: returns this rank's rows of the reduction."""
-    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor,
+                                           process_set))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
                                 op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> GroupHandle:
+                                postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start a reducescatter of every tensor of ``tensors`` as one group (one MPI_Reduce_scatter).
 
     Each member is split along its own dimension 0 as :func:`reducescatter_async` says.
@@ -280,15 +369,17 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
     Raises:
         As :func:`grouped_allreduce_async`, plus ValueError for a 0-d member.
     """
-    return _grouped(tensors, name, Kind.REDUCESCATTER, op, prescale_factor, postscale_factor, False)
+    return _grouped(tensors, name, Kind.REDUCESCATTER, op, prescale_factor, postscale_factor, False,
+                    process_set)
 
 
 def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
                           op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[Any]:
+                          postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_reducescatter_async`: returns the list of this rank's rows."""
     return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
-                                                   postscale_factor))
+                                                   postscale_factor, process_set))
 
 
 for _grouped_op in (grouped_allreduce_async, grouped_reducescatter_async):
@@ -319,7 +410,8 @@ def _check_splits(splits: Any, rows: int, size: int, where: str) -> tuple[int, .
     return values
 
 
-def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None) -> Handle:
+def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall: send rows of ``tensor`` to every rank, receive every rank's rows for this one.
 
     Same semantics as MPI_Alltoallv along dimension 0: the first ``splits[0]`` rows go to rank 0,
@@ -345,72 +437,82 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None) -> 
         TypeError: splits that are not integers. Others as :func:`allreduce_async`.
         CollectiveError (from synchronize): the ranks disagree on dtype or on the trailing shape.
     """
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLTOALL)
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLTOALL, process_set)
+    _host_only(device, Kind.ALLTOALL, where)
     if len(info.shape) == 0:
         raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
                          "to (1,))")
-    splits = _check_splits(splits, info.shape[0], rt.size, where)
+    splits = _check_splits(splits, info.shape[0], coordinator.size, where)
 
     def allocate(shape: tuple[int, ...], received: list[int]) -> tuple[Any, np.ndarray]:
         output = adapter.empty(tensor, shape)
         received_splits = adapter.from_host(tensor, np.array(received, np.int64))
         return (output, received_splits), adapter.host_view(output)
 
-    name = _name(rt, name, "alltoall")
-    request = Request(name, Kind.ALLTOALL, rt.rank, info.dtype, info.shape, splits=splits)
+    name = _name(coordinator, name, "alltoall")
+    request = Request(name, Kind.ALLTOALL, coordinator.rank, info.dtype, info.shape, splits=splits)
     entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
-    return rt.coordinator.submit(entry)
+    return coordinator.submit(entry)
 
 
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None) -> tuple[Any, Any]:
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> tuple[Any, Any]:
     """Blocking :func:`alltoall_async`: returns ``(output, received_splits)``."""
-    return synchronize(alltoall_async(tensor, splits, name))
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
 
 
-def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool) -> Handle:
-    rt, adapter, info, where = _prepare(tensor, name, Kind.BROADCAST)
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
-        raise ValueError(f"{where}: root_rank={root_rank!r} is not a rank of this job "
-                         f"(0 .. {rt.size - 1})")
-    source, target, result = _output(adapter, tensor, info.shape, in_place, where)
-    name = _name(rt, name, "broadcast")
-    request = Request(name, Kind.BROADCAST, rt.rank, info.dtype, info.shape, root=int(root_rank))
-    return rt.coordinator.submit(Entry(request, Handle(name), source, target, result))
+def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool,
+               process_set: ProcessSet) -> Handle:
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.BROADCAST, process_set)
+    root = _root(coordinator, root_rank, where)
+    source, target, result = _output(adapter, tensor, info.shape, in_place, where, device)
+    name = _name(coordinator, name, "broadcast")
+    request = Request(name, Kind.BROADCAST, coordinator.rank, info.dtype, info.shape, root=root,
+                      device=device_kind(info.device))
+    return coordinator.submit(_entry(request, source, target, result, device))
 
 
-def broadcast_async(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor on every rank.
 
     Same semantics as MPI_Bcast. ``tensor`` must have the same shape and dtype on every rank (its
-    contents matter on the root only).
+    contents matter on the root only). ``root_rank`` is a world rank; with ``process_set`` it must
+    be a member, and only the set's members take part.
 
     Raises:
-        ValueError: ``root_rank`` outside 0 .. size()-1 (checked before anything is sent).
+        ValueError: ``root_rank`` outside 0 .. size()-1 or outside ``process_set`` (checked before
+            anything is sent); ``process_set`` not registered or this rank not in it.
         TypeError, NotInitializedError, CollectiveError: as :func:`allreduce_async`.
     """
-    return _broadcast(tensor, root_rank, name, in_place=False)
+    return _broadcast(tensor, root_rank, name, False, process_set)
 
 
-def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`: ``tensor`` receives the root's values on every rank."""
-    return _broadcast(tensor, root_rank, name, in_place=True)
+    return _broadcast(tensor, root_rank, name, True, process_set)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async`: returns a new tensor holding the root's values."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async_`: overwrites ``tensor`` with the root's values, returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def allgather_async(tensor: Any, name: str | None = None) -> Handle:
+def allgather_async(tensor: Any, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather: the ranks' tensors concatenated along dimension 0, in rank order.
 
     Same semantics as MPI_Allgatherv. ``tensor`` must have at least one dimension; the first
-    dimension may differ between ranks, the others and the dtype must match.
+    dimension may differ between ranks, the others and the dtype must match. With ``process_set``,
+    only its members' tensors are gathered, in the order of their world ranks.
 
     Returns:
         A handle; :func:`synchronize` returns a new tensor of shape
@@ -419,39 +521,51 @@ def allgather_async(tensor: Any, name: str | None = None) -> Handle:
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    rt, adapter, info, where = _prepare(tensor, name, Kind.ALLGATHER)
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLGATHER, process_set)
     if len(info.shape) == 0:
         raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
                          "to (1,))")
 
-    def allocate(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    view = adapter.host_view if device is None else device.view
+
+    def allocate(shape: tuple[int, ...]) -> tuple[Any, Any]:
         result = adapter.empty(tensor, shape)
-        return result, adapter.host_view(result)
+        return result, view(result)
 
-    name = _name(rt, name, "allgather")
-    request = Request(name, Kind.ALLGATHER, rt.rank, info.dtype, info.shape)
-    entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
-    return rt.coordinator.submit(entry)
+    name = _name(coordinator, name, "allgather")
+    request = Request(name, Kind.ALLGATHER, coordinator.rank, info.dtype, info.shape,
+                      device=device_kind(info.device))
+    return coordinator.submit(_entry(request, view(tensor), None, None, device, allocate))
 
 
-def allgather(tensor: Any, name: str | None = None) -> Any:
+def allgather(tensor: Any, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allgather_async`: returns the concatenated tensor."""
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def barrier(name: str | None = None) -> None:
-    """Block until every rank has called barrier (same semantics as MPI_Barrier).
+def barrier(name: str | None = None, process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of ``process_set``) has called barrier (same semantics as MPI_Barrier).
 
     Goes through the coordinator, so it is ordered with the collectives submitted before it.
+
+    Raises:
+        ValueError: ``process_set`` not registered or this rank not in it.
     """
+    _control(Kind.BARRIER, name, process_set)
+
+
+def _control(kind: Kind, name: str | None, process_set: ProcessSet) -> Any:
+    """Submit a collective that moves no data (barrier, join) and wait for it."""
     rt = runtime.get()
-    name = _name(rt, name, "barrier")
-    request = Request(name, Kind.BARRIER, rt.rank, "uint8", ())
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: {kind.name.lower()}")
+    name = _name(coordinator, name, kind.name.lower())
+    request = Request(name, kind, coordinator.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
-    synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+    return synchronize(coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
 
 
-def join() -> int:
+def join(process_set: ProcessSet = global_process_set) -> int:
     """Declare that this rank has no more data; block until every rank has joined.
 
     Until then this rank keeps taking part in the other ranks' collectives without submitting any:
@@ -463,45 +577,51 @@ def join() -> int:
     Same semantics as ``horovod.torch.join()``; use it for uneven inputs (ranks with different
     numbers of batches). Every rank must call it, the same number of times.
 
+    With ``process_set``, only its members join, and only its collectives see this rank as joined.
+
     Returns:
-        The rank that joined last (the same on every rank).
+        The rank that joined last (the same on every rank; a world rank).
 
     Raises:
         NotInitializedError: before ``init()``. ShutdownError, StallError: gradsync stopped meanwhile.
+        ValueError: ``process_set`` not registered or this rank not in it.
     """
     rt = runtime.get()
-    name = _name(rt, None, "join")
-    request = Request(name, Kind.JOIN, rt.rank, "uint8", ())
-    empty = np.empty(0, np.uint8)
-    return synchronize(rt.coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+    last = _control(Kind.JOIN, None, process_set)
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: join")
+    return coordinator.world_ranks[last] if coordinator.world_ranks is not None else last
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Broadcast any picklable object from ``root_rank``; returns the root's object on every rank.
 
     The object is pickled on the root (arguments on other ranks are ignored), its size broadcast,
     then its bytes. Same errors as :func:`broadcast`; unpickling errors propagate.
     """
     rt = runtime.get()
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < rt.size:
-        raise ValueError(f"gradsync: rank {rt.rank}: broadcast_object: root_rank={root_rank!r} is "
-                         f"not a rank of this job (0 .. {rt.size - 1})")
-    name = _name(rt, name, "broadcast_object")
+    where = f"gradsync: rank {rt.rank}: broadcast_object"
+    coordinator = rt.coordinator_for(process_set, where)
+    _root(coordinator, root_rank, where)
+    name = _name(coordinator, name, "broadcast_object")
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rt.rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], np.int64)
-    broadcast_(length, root_rank, name=f"{name}.size")
+    broadcast_(length, root_rank, name=f"{name}.size", process_set=process_set)
     data = payload.copy() if payload is not None else np.empty(int(length[0]), np.uint8)
-    broadcast_(data, root_rank, name=f"{name}.data")
+    broadcast_(data, root_rank, name=f"{name}.data", process_set=process_set)
     return obj if rt.rank == root_rank else pickle.loads(data.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Gather any picklable object from every rank; returns the list indexed by rank, on every rank."""
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Gather any picklable object from every rank (of ``process_set``); returns the list in rank
+    order, on every rank. Same errors as :func:`allgather`."""
     rt = runtime.get()
-    name = _name(rt, name, "allgather_object")
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: allgather_object")
+    name = _name(coordinator, name, "allgather_object")
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = allgather(np.array([payload.size], np.int64), name=f"{name}.size")
-    data = allgather(payload.copy(), name=f"{name}.data")
+    sizes = allgather(np.array([payload.size], np.int64), name=f"{name}.size", process_set=process_set)
+    data = allgather(payload.copy(), name=f"{name}.data", process_set=process_set)
     bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
     return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
 
@@ -509,6 +629,9 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 def synchronize(handle: Handle | GroupHandle) -> Any:
     """Wait for ``handle`` and return its output tensor (the input itself for in-place ops); for a
     group, the list of outputs; for alltoall, the pair (output, received_splits).
+
+    For device tensors it waits until the collective is enqueued on gradsync's CUDA stream and
+    makes the caller's current stream wait for it; the host does not wait for the GPU.
 
     Raises the collective's error (CollectiveError, ShutdownError) if it failed.
     """

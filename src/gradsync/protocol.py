@@ -52,6 +52,8 @@ class Request(NamedTuple):
     ``splits`` (alltoall): the rows this rank sends to each rank. ``group``: the name of the group
     this request belongs to (grouped ops; empty otherwise), which has ``group_size`` members, all
     negotiated and executed as one unit.
+    ``device`` is the kind of memory the tensor lives in, ``"cpu"`` or ``"cuda"`` (not the device
+    index: each rank uses its own GPU), so host and device tensors are never fused together.
     """
 
     name: str
@@ -66,6 +68,7 @@ class Request(NamedTuple):
     splits: tuple[int, ...] = ()
     group: str = ""
     group_size: int = 0
+    device: str = "cpu"
 
 
 class Response(NamedTuple):
@@ -94,13 +97,14 @@ class RankMessage(NamedTuple):
     """What one rank sends rank 0 in a full negotiation cycle.
 
     ``stall``: this rank asks for a stall report; ``pending``: when sent, every collective this rank
-    is waiting for, with the seconds it has waited.
+    is waiting for, as (name, seconds waited, None), and those it waits for on its other process
+    sets, as (name, 0.0, process set id).
     """
 
     shutdown: bool
     requests: list[Request]
     stall: bool = False
-    pending: tuple[tuple[str, float], ...] | None = None
+    pending: tuple[tuple[str, float, int | None], ...] | None = None
 
 
 class CycleReply(NamedTuple):

@@ -20,6 +20,7 @@ from .backends.mpi import MpiBackend
 from .config import Config
 from .coordinator import Coordinator
 from .errors import GradsyncError, NotInitializedError
+from .process_sets import ProcessSet, global_process_set
 
 log = logging.getLogger("gradsync")
 
@@ -123,9 +124,16 @@ class Runtime:
         cross = world.Split(color=self.local_rank, key=self.rank)
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         self.comm = world.Dup()  # the coordinator's own communicator: no other thread uses it
+        # The user thread's communicator, for registering process sets (collective over all ranks).
+        self.control = world.Dup()
         self.backend = self._data_backend(local, cross)
-        self._unnamed: dict[str, int] = {}
+        self._unnamed: dict[tuple[int, str], int] = {}
         self.coordinator = Coordinator(self.comm, config, backend=self.backend)
+        # id -> (set, its coordinator on this rank or None when not a member, its communicator)
+        self.process_sets: dict[int, tuple[ProcessSet, Coordinator | None, Any]] = {
+            0: (global_process_set, self.coordinator, self.comm)}
+        self._next_set_id = 1
+        self.coordinator.neighbours = self._coordinators
         log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
                   self.local_rank, self.local_size, self.cross_rank, self.cross_size,
                   self.backend.describe())
@@ -142,17 +150,87 @@ class Runtime:
             cross = None
         return MpiBackend(self.comm, local=local, cross=cross)
 
-    def auto_name(self, kind: str) -> str:
-        """A name for an unnamed collective: the kind and how many unnamed ones of it came before."""
-        count = self._unnamed.get(kind, 0)
-        self._unnamed[kind] = count + 1
+    def _coordinators(self) -> list[Coordinator]:
+        return [state[1] for state in list(self.process_sets.values()) if state[1] is not None]
+
+    def auto_name(self, kind: str, process_set_id: int = 0) -> str:
+        """A name for an unnamed collective: the kind and how many unnamed ones of it came before
+        on the same process set (so that ranks outside a set do not shift the count)."""
+        key = (process_set_id, kind)
+        count = self._unnamed.get(key, 0)
+        self._unnamed[key] = count + 1
         return f"{kind}.noname.{count}"
+
+    def coordinator_for(self, process_set: ProcessSet, where: str) -> Coordinator:
+        """The coordinator that runs collectives on ``process_set`` on this rank.
+
+        Raises:
+            ValueError: the set is not registered, or this rank is not a member (``where`` starts
+                the message, naming the op and tensor).
+        """
+        ident = process_set.process_set_id
+        state = self.process_sets.get(ident) if ident is not None else None
+        if state is None or state[0] is not process_set:
+            raise ValueError(f"{where}: {process_set} is not registered: call "
+                             "gradsync.add_process_set() on every rank first")
+        if state[1] is None:
+            raise ValueError(f"{where}: rank {self.rank} is not a member of {process_set}; only its "
+                             "members may run collectives on it")
+        return state[1]
+
+    def add_process_set(self, process_set: ProcessSet) -> ProcessSet:
+        """See :func:`gradsync.add_process_set`."""
+        from mpi4py import MPI
+
+        where = f"gradsync: rank {self.rank}: add_process_set"
+        if process_set.process_set_id is not None:
+            raise ValueError(f"{where}: {process_set} is already registered")
+        outside = [r for r in process_set.ranks if r >= self.size]
+        everyone = self.control.allgather(process_set.ranks)
+        if any(ranks != process_set.ranks for ranks in everyone):
+            listed = ", ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone))
+            raise ValueError(f"{where}: ranks called it with different process sets: {listed}")
+        if outside:
+            raise ValueError(f"{where}: ranks {outside} of {process_set.ranks} are not ranks of this "
+                             f"job (0 .. {self.size - 1})")
+        for other, _, _ in self.process_sets.values():
+            if other.ranks == process_set.ranks:
+                raise ValueError(f"{where}: {other} already has the ranks {process_set.ranks}")
+        member = self.rank in process_set.ranks
+        comm = self.control.Split(0 if member else MPI.UNDEFINED, key=self.rank)
+        ident = self._next_set_id
+        self._next_set_id += 1
+        coordinator = None
+        if member:
+            coordinator = Coordinator(comm, self.config, backend=MpiBackend(comm),
+                                      world_ranks=list(process_set.ranks), process_set_id=ident)
+            coordinator.neighbours = self._coordinators
+        process_set.process_set_id = ident
+        self.process_sets[ident] = (process_set, coordinator, comm)
+        return process_set
+
+    def remove_process_set(self, process_set: ProcessSet) -> None:
+        """See :func:`gradsync.remove_process_set`."""
+        where = f"gradsync: rank {self.rank}: remove_process_set"
+        ident = process_set.process_set_id
+        if ident == 0:
+            raise ValueError(f"{where}: the global process set cannot be removed")
+        state = self.process_sets.get(ident) if ident is not None else None
+        if state is None or state[0] is not process_set:
+            raise ValueError(f"{where}: {process_set} is not registered")
+        everyone = self.control.allgather(ident)
+        if any(other != ident for other in everyone):
+            listed = ", ".join(f"rank {r}: {i}" for r, i in enumerate(everyone))
+            raise ValueError(f"{where}: ranks removed different process sets (ids): {listed}")
+        del self.process_sets[ident]
+        process_set.process_set_id = None
+        _stop_coordinator(self, state[1], state[2], None)
 
 
 _runtime: Runtime | None = None
 
 
-def init(comm: Any = None, **settings: Any) -> None:
+def init(comm: Any = None, process_sets: list[ProcessSet] | None = None, **settings: Any) -> None:
     """Initialise gradsync: start MPI (if needed) and the background coordinator thread.
 
     Call once per process, before any other gradsync function; a second call is a no-op. Works
@@ -162,6 +240,8 @@ def init(comm: Any = None, **settings: Any) -> None:
     Args:
         comm: the mpi4py communicator whose ranks take part (default ``MPI.COMM_WORLD``).
             gradsync duplicates it, so your own traffic on it never mixes with gradsync's.
+        process_sets: :class:`~gradsync.ProcessSet` objects to register right away, in this order
+            (the same as calling :func:`~gradsync.add_process_set` for each).
         **settings: overrides of the ``GRADSYNC_*`` environment variables, by lower-case name
             without prefix, e.g. ``fusion_threshold=4 << 20`` (bytes), ``cycle_time=2.0`` (ms);
             see docs/configuration.md.
@@ -194,6 +274,8 @@ def init(comm: Any = None, **settings: Any) -> None:
     _runtime = Runtime(config, world)
     atexit.unregister(shutdown)
     atexit.register(shutdown)
+    for process_set in process_sets or ():
+        _runtime.add_process_set(process_set)
     log.debug("gradsync: rank %d of %d initialised (%s)", _runtime.rank, _runtime.size,
               launcher.name)
 
@@ -226,18 +308,56 @@ def shutdown() -> None:
     Waits up to ``GRADSYNC_SHUTDOWN_TIMEOUT`` seconds for the other ranks to reach shutdown (or to
     submit anything). Safe to call twice, and called automatically at interpreter exit. ``init()``
     may be called again afterwards. Does not finalise MPI (mpi4py does that at exit).
+
+    After a rank was lost or a coordinator failed (:class:`~gradsync.RankFailureError`, or the
+    "background coordinator failed" error), MPI cannot finish cleanly: ``MPI_Finalize`` would wait
+    for the lost rank forever. Then shutdown logs why and calls ``MPI_Abort(MPI_COMM_WORLD, 1)``,
+    which ends this process and the job with a non-zero exit status; standard output and error are
+    flushed first.
     """
     global _runtime
     runtime, _runtime = _runtime, None
     if runtime is None or runtime.pid != os.getpid():
         return
-    if runtime.coordinator.shutdown(runtime.config.shutdown_timeout):
-        runtime.backend.close()
-        runtime.comm.Free()
+    failures = [state[1].failure for state in runtime.process_sets.values()
+                if state[1] is not None and state[1].failure is not None]
+    if failures:
+        _abort(runtime, failures[0])
+    for ident, (process_set, coordinator, comm) in sorted(runtime.process_sets.items(), reverse=True):
+        process_set.process_set_id = None if ident else 0
+        _stop_coordinator(runtime, coordinator, comm, runtime.backend if ident == 0 else None)
+    runtime.process_sets.clear()
+    runtime.control.Free()
+
+
+def _stop_coordinator(runtime: Runtime, coordinator: Coordinator | None, comm, backend) -> None:
+    """Stop one process set's coordinator (None: this rank is not a member) and free what it owned."""
+    if coordinator is None:
+        return
+    if coordinator.shutdown(runtime.config.shutdown_timeout):
+        if backend is not None:
+            backend.close()
+        comm.Free()
     else:
         log.warning("gradsync: rank %d: the other ranks did not reach shutdown within %.0f s; "
                     "leaving the coordinator thread behind", runtime.rank,
                     runtime.config.shutdown_timeout)
+
+
+def _abort(runtime: Runtime, failure: str) -> None:
+    log.error("gradsync: rank %d: aborting the MPI job (exit status 1) because gradsync stopped with: %s",
+              runtime.rank, failure)
+    for stream in (sys.stdout, sys.stderr):  # MPI_Abort ends the process without flushing them
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to save
+            pass
+    from mpi4py import MPI
+
+    # COMM_WORLD, not gradsync's communicator: MPICH's MPI_Abort on any other communicator ends only
+    # the calling process, and a launcher that does not clean up would then keep the job running.
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # MPI_Abort does not return; should an MPI let it, still end here
 
 
 def get() -> Runtime:

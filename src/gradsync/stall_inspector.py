@@ -8,7 +8,8 @@ shuts down, instead of hanging.
 
 To keep this working while some rank is idle (its coordinator would otherwise sleep until it gets
 work), an idle coordinator takes part in one negotiation cycle every quarter of the check time (a
-*heartbeat*, at most every 15 s). With the check time 0, there is neither inspector nor heartbeat.
+*heartbeat*, at most every 15 s). Rank failure detection (:mod:`gradsync.liveness`) needs the same
+heartbeat; with both off, an idle coordinator sleeps until it gets work.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ log = logging.getLogger("gradsync")
 MAX_HEARTBEAT = 15.0  # seconds
 
 
-def heartbeat_interval(check_time: float) -> float | None:
-    """Seconds an idle coordinator sleeps before joining a cycle anyway; None: sleep until work."""
-    if check_time <= 0:
+def heartbeat_interval(*deadlines: float) -> float | None:
+    """Seconds an idle coordinator sleeps before joining a cycle anyway; None: sleep until work.
+
+    ``deadlines`` are the times (seconds; 0: off) within which something must be noticed on every
+    rank: the stall check time, the rank failure timeout. The heartbeat is a quarter of the
+    shortest, between 0.05 and 15 s.
+    """
+    active = [d for d in deadlines if d > 0]
+    if not active:
         return None
-    return min(max(check_time / 4, 0.05), MAX_HEARTBEAT)
+    return min(max(min(active) / 4, 0.05), MAX_HEARTBEAT)
 
 
 class StallClock:
@@ -55,18 +62,23 @@ class StallClock:
 class StallInspector:
     """Rank 0's report builder."""
 
-    def __init__(self, size: int, check_time: float, shutdown_time: float) -> None:
+    def __init__(self, size: int, check_time: float, shutdown_time: float,
+                 process_set_id: int = 0) -> None:
         self.size = size
+        self.process_set_id = process_set_id
         self.check_time = check_time
         self.shutdown_time = shutdown_time
 
-    def inspect(self, submitted: dict[str, set[int]], ages: dict[str, float]) -> tuple[str | None, bool]:
+    def inspect(self, submitted: dict[str, set[int]], ages: dict[str, float],
+                elsewhere: dict[str, dict[int, int]] | None = None) -> tuple[str | None, bool]:
         """The report on names waited on for at least the check time, and whether to shut down.
 
         Args:
             submitted: name -> the ranks known to have submitted it.
             ages: name -> seconds the oldest of its submissions has waited.
+            elsewhere: name -> {rank: id of another process set on which that rank submitted it}.
         """
+        elsewhere = elsewhere or {}
         stalled = sorted((n for n, ranks in submitted.items()
                           if len(ranks) < self.size and ages.get(n, 0.0) >= self.check_time),
                          key=lambda n: -ages[n])
@@ -77,8 +89,14 @@ class StallInspector:
         for name in stalled[:50]:
             have = sorted(submitted[name])
             missing = sorted(set(range(self.size)) - set(have))
-            lines.append(f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) {have}, "
-                         f"missing on rank(s) {missing}")
+            line = (f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) {have}, "
+                    f"missing on rank(s) {missing}")
+            other_sets = elsewhere.get(name, {})
+            if other_sets:
+                line += "; ranks disagree on process set: " + ", ".join(
+                    [f"rank {r}: process set {self.process_set_id}" for r in have]
+                    + [f"rank {r}: process set {other_sets[r]}" for r in missing if r in other_sets])
+            lines.append(line)
         if len(stalled) > 50:
             lines.append(f"  ... and {len(stalled) - 50} more")
         lines.append("Every rank must submit the same collectives (same names); a rank that is missing "

@@ -459,4 +459,4 @@ def learn_rank(rank: int, size: int) -> None:
 
 
 if __name__ == "__main__":
-    run_main(SECTIONS, "collectives_check", learn_rank)
+    run_main(SECTIONS, "collectives_check", learn_rank, {check_torch})

@@ -4,17 +4,21 @@ Rank r has 2 + r batches. Every rank trains with DistributedOptimizer until it r
 calls join(). The reference, computed by every rank alone with numpy/torch: at each step, the
 average over the world size of the gradients of the ranks that still had a batch (joined ranks
 count as zeros, as in Horovod and DDP), or over the contributors with GRADSYNC_JOIN_DIVISOR.
+That half needs torch and runs with --torch; the other half (every op's stand-in contribution of a
+joined rank) runs on numpy arrays alone.
 """
 
 import os
 
 import numpy as np
-import torch
-from harness import run_checks
+from harness import run_numpy_or_torch_checks, torch_requested
 
 import gradsync
 
-torch.set_num_threads(1)
+if torch_requested():
+    import torch
+
+    torch.set_num_threads(1)
 gradsync.init()
 rank, size = gradsync.rank(), gradsync.size()
 by_contributors = os.environ.get("GRADSYNC_JOIN_DIVISOR") == "contributors"
@@ -25,7 +29,7 @@ def batches(r):
     return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2 + r)]
 
 
-def check_uneven_training_with_join():
+def torch_check_uneven_training_with_join():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     reference = torch.nn.Linear(3, 1)
@@ -79,5 +83,5 @@ def check_join_stand_ins_for_every_op():
     assert return_value != 0 or size == 1
 
 
-run_checks(globals())
+run_numpy_or_torch_checks(globals())
 print(f"join_check rank {rank}: passed", flush=True)

@@ -1,6 +1,8 @@
 """Every public op of gradsync checked against an independent numpy reference.
 
-Run as ``mpiexec -n N python tests/workers/ops_check.py`` (tests/test_ops.py does, for N = 1, 2, 4).
+Run as ``mpiexec -n N python tests/workers/ops_check.py [SECTION ...]`` (tests/test_ops.py does, for
+N = 1, 2, 4). Without arguments every section but ``check_torch`` runs, on numpy arrays alone, and the
+job then checks that nothing imported torch; ``check_torch`` (torch tensors) runs when named.
 
 Each rank builds the inputs of *every* rank, from a numpy RNG seeded by (rank, case), so it can work
 out what each collective must return with numpy alone. The reference is written from the documented
@@ -745,9 +747,15 @@ SECTIONS = [
 ]
 
 
-def main(sections: list = SECTIONS, label: str = "ops_check", on_init=None) -> None:
-    """Run ``sections`` (or those named on the command line) and print ``{label} rank R: N cases
-    passed``; ``on_init(rank, size)`` lets another worker that shares these helpers learn both."""
+#: The sections that need torch: they run only when named, so that the default run needs numpy alone.
+TORCH_SECTIONS = {check_torch}
+
+
+def main(sections: list = SECTIONS, label: str = "ops_check", on_init=None,
+         torch_sections: set = TORCH_SECTIONS) -> None:
+    """Run ``sections`` (or those named on the command line; sections in ``torch_sections`` only
+    when named) and print ``{label} rank R: N cases passed``; ``on_init(rank, size)`` lets another
+    worker that shares these helpers learn both."""
     global RANK, SIZE
     gs.init()
     RANK, SIZE = gs.rank(), gs.size()
@@ -756,20 +764,26 @@ def main(sections: list = SECTIONS, label: str = "ops_check", on_init=None) -> N
     only = set(sys.argv[1:])  # optional: names of sections to run
     unknown = only - {section.__name__ for section in sections}
     assert not unknown, f"no such sections: {sorted(unknown)}"
-    for section in sections:
-        if not only or section.__name__ in only:
-            section()
+    chosen = [s for s in sections if s.__name__ in only or (not only and s not in torch_sections)]
+    for section in chosen:
+        section()
     gs.barrier()
+    torch_note = ""
+    if not torch_sections & set(chosen):
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        expect(not loaded, f"every op ran on numpy arrays, yet torch was imported: {loaded[:5]}")
+        torch_note = "; torch not imported"
     # One write, so that mpiexec does not interleave it with another rank's line.
-    sys.stdout.write(f"{label} rank {RANK}: {PASSED} cases passed\n")
+    sys.stdout.write(f"{label} rank {RANK}: {PASSED} cases passed{torch_note}\n")
     sys.stdout.flush()
     gs.shutdown()
 
 
-def run_main(sections: list = SECTIONS, label: str = "ops_check", on_init=None) -> None:
+def run_main(sections: list = SECTIONS, label: str = "ops_check", on_init=None,
+             torch_sections: set = TORCH_SECTIONS) -> None:
     """:func:`main`, aborting the whole job on any failure so that no rank waits forever."""
     try:
-        main(sections, label, on_init)
+        main(sections, label, on_init, torch_sections)
     except BaseException:  # noqa: BLE001 - whatever failed, the other ranks must not hang
         print(f"{label} rank {MPI.COMM_WORLD.Get_rank()} FAILED:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ _NAMES = {
 
 
 class TorchAdapter:
-    """torch.Tensor on the CPU; bfloat16 is viewed through int16 as ml_dtypes.bfloat16."""
+    """torch.Tensor on the CPU (bfloat16 viewed through int16 as ml_dtypes.bfloat16) or on a CUDA device."""
 
     def info(self, x: torch.Tensor) -> TensorInfo:
         if x.layout != torch.strided:
@@ -37,6 +37,14 @@ class TorchAdapter:
 
     def from_host(self, like: torch.Tensor, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
+
+    def device_runtime(self, x: torch.Tensor):
+        """gradsync.torch.device's runtime for CUDA tensors, None for CPU ones."""
+        if x.device.type != "cuda":
+            return None
+        from .device import DEVICE
+
+        return DEVICE
 
 
 TORCH = TorchAdapter()

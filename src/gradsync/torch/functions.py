@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from .. import ops, runtime
+from ..process_sets import ProcessSet, global_process_set
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int = 0) -> None:
+                         root_rank: int = 0, process_set: ProcessSet = global_process_set) -> None:
     """Overwrite every rank's tensors with ``root_rank``'s, in place.
 
     Call it after building the model (and after loading a checkpoint on the root) so that every rank
@@ -20,7 +21,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     Args:
         params: ``model.state_dict()`` (parameters and buffers) or ``model.named_parameters()``;
             the same names, shapes and dtypes on every rank. ``None`` values are skipped.
-        root_rank: the rank whose values win.
+        root_rank: the (world) rank whose values win.
+        process_set: the ranks that take part (default: every rank); ``root_rank`` must be one.
 
     Raises:
         TypeError: ``params`` is neither a mapping nor an iterable of (name, tensor) pairs.
@@ -33,28 +35,33 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         if any(not (isinstance(i, tuple) and len(i) == 2) for i in items):
             raise TypeError("gradsync.broadcast_parameters: expected model.state_dict() or "
                             "model.named_parameters() (pairs of name and tensor)")
-    handles = [ops.broadcast_async_(tensor.detach(), root_rank, name=f"broadcast.{name}")
+    handles = [ops.broadcast_async_(tensor.detach(), root_rank, name=f"broadcast.{name}",
+                                    process_set=process_set)
                for name, tensor in items if tensor is not None]
     for handle in handles:
         ops.synchronize(handle)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
 
     Broadcasts the root's whole ``optimizer.state_dict()`` (per-parameter state such as momentum
     buffers and Adam moments, and every param group's options such as lr, momentum and betas, with
     their Python types) and loads it with ``load_state_dict``. Optimizers whose state is created
     lazily (Adam before its first step) work: ranks simply receive the root's state, empty or not.
+    With ``process_set``, only its members take part.
 
     Raises:
-        ValueError: ``root_rank`` out of range, or the optimizers' parameter groups differ in shape.
+        ValueError: ``root_rank`` out of range (not a member of ``process_set``), or the optimizers'
+            parameter groups differ in shape.
     """
     rt = runtime.get()
-    if not 0 <= root_rank < rt.size:
+    if root_rank not in process_set.ranks:
         raise ValueError(f"gradsync: rank {rt.rank}: broadcast_optimizer_state: root_rank="
-                         f"{root_rank!r} is not a rank of this job (0 .. {rt.size - 1})")
+                         f"{root_rank!r} is not a rank of {process_set}")
     state: Any = optimizer.state_dict() if rt.rank == root_rank else None
-    state = ops.broadcast_object(state, root_rank, name="broadcast_optimizer_state")
+    state = ops.broadcast_object(state, root_rank, name="broadcast_optimizer_state",
+                                 process_set=process_set)
     if rt.rank != root_rank:
         optimizer.load_state_dict(state)

@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from .. import ops, runtime
+from ..compression import Compression, Compressor
 from ..fusion import split_rows
+from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 
 
@@ -20,9 +22,12 @@ class _DistributedOptimizer:
 
     def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
                         gradient_predivide_factor: float, sparse_as_dense: bool,
+                        compression: Compressor, process_set: ProcessSet,
                         num_groups: int = 0) -> None:
         self._gs_rank = runtime.get().rank
-        self._gs_size = runtime.get().size
+        self._gs_process_set = process_set
+        self._gs_size = process_set.size()
+        self._gs_compression = compression
         self._gs_sparse_as_dense = sparse_as_dense
         self._gs_op = op
         self._gs_prescale = 1.0 / gradient_predivide_factor
@@ -37,8 +42,10 @@ class _DistributedOptimizer:
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
-        self._gs_timeline = runtime.get().coordinator.timeline
+        self._gs_timeline = runtime.get().coordinator_for(
+            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer").timeline
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
+        self._gs_backward_events = None  # the same on a GPU: timing events on the compute stream
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
         for group in self.param_groups:
             self._gs_check_owners(group)
@@ -86,11 +93,33 @@ class _DistributedOptimizer:
                 "stop it from producing gradients there: param.requires_grad_(False) on this module's "
                 "parameters during that backward, or detach its input.")
         if self._gs_timeline is not None:
-            now = time.perf_counter_ns()
-            self._gs_backward_ns = (self._gs_backward_ns[0] or now, now)
+            self._gs_mark_backward(param)
         self._gs_counts[param] += 1
         if self._gs_counts[param] == self._gs_passes:
             self._gs_submit(param)
+
+    def _gs_mark_backward(self, param: torch.Tensor) -> None:
+        """Timeline: the first and latest gradient of this step. On a GPU the host runs ahead of
+        the kernels, so the times are timing events recorded on the compute stream."""
+        if param.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            first = self._gs_backward_events[0] if self._gs_backward_events else event
+            self._gs_backward_events = (first, event, param.device.index)
+            return
+        now = time.perf_counter_ns()
+        self._gs_backward_ns = (self._gs_backward_ns[0] or now, now)
+
+    def _gs_write_backward(self) -> None:
+        if self._gs_backward_ns[0]:
+            self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
+            self._gs_backward_ns = (0, 0)
+        if self._gs_backward_events is not None:
+            from .device import DEVICE
+
+            first, last, device = self._gs_backward_events
+            runtime.get().coordinator.device.gpu_span(DEVICE, device, "backward", "BACKWARD", first, last)
+            self._gs_backward_events = None
 
     def _gs_submit(self, param: torch.Tensor) -> None:
         name = f"grad.{self._gs_names[param]}"
@@ -105,10 +134,19 @@ class _DistributedOptimizer:
         if param in self._gs_group_of:
             self._gs_handles[param] = self._gs_group_submit(param)
             return
-        handle = ops.allreduce_async_(param.grad, name=name, op=self._gs_op,
+        compressed, context = self._gs_compression.compress(param.grad)
+        handle = ops.allreduce_async_(compressed, name=name, op=self._gs_op,
                                       prescale_factor=self._gs_prescale,
-                                      postscale_factor=self._gs_postscale)
-        self._gs_handles[param] = functools.partial(ops.synchronize, handle)
+                                      postscale_factor=self._gs_postscale,
+                                      process_set=self._gs_process_set)
+        if compressed is param.grad:
+            self._gs_handles[param] = functools.partial(ops.synchronize, handle)
+            return
+
+        def finish() -> None:  # decompress after the allreduce, into the gradient itself
+            param.grad.copy_(self._gs_compression.decompress(ops.synchronize(handle), context))
+
+        self._gs_handles[param] = finish
 
     def _gs_group_submit(self, param: torch.Tensor) -> Callable[[], None]:
         """Count ``param`` ready in its reduction group; when it is the group's last, start one
@@ -118,21 +156,34 @@ class _DistributedOptimizer:
         if ready < len(members):
             return _nothing
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        decompress = []  # (gradient, what travelled, context) of the compressed members
         for member in members:  # sparse gradients went their own way (allgather)
             if member.grad.layout == torch.strided:
-                by_dtype.setdefault(member.grad.dtype, []).append(member.grad)
+                compressed, context = self._gs_compression.compress(member.grad)
+                by_dtype.setdefault(compressed.dtype, []).append(compressed)
+                if compressed is not member.grad:
+                    decompress.append((member.grad, compressed, context))
         handles = [ops.grouped_allreduce_async_(grads, name=f"grad.group.{index}.{dtype}",
                                                 op=self._gs_op, prescale_factor=self._gs_prescale,
-                                                postscale_factor=self._gs_postscale)
+                                                postscale_factor=self._gs_postscale,
+                                                process_set=self._gs_process_set)
                    for dtype, grads in by_dtype.items()]
-        return functools.partial(_call_all, [functools.partial(ops.synchronize, h) for h in handles])
+
+        def finish() -> None:
+            _call_all([functools.partial(ops.synchronize, h) for h in handles])
+            for grad, compressed, context in decompress:
+                grad.copy_(self._gs_compression.decompress(compressed, context))
+
+        return finish
 
     def _gs_sparse_allgather(self, param: torch.Tensor, name: str) -> Callable[[], None]:
         """Start the allgather of a sparse gradient's indices and values; the returned function
         waits and sets param.grad to their sum over ranks (divided by size for Average)."""
         grad = param.grad.coalesce()
-        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices")
-        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values")
+        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
+                                      process_set=self._gs_process_set)
+        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values",
+                                     process_set=self._gs_process_set)
 
         def finish() -> None:
             gathered = ops.synchronize(values)
@@ -163,9 +214,7 @@ class _DistributedOptimizer:
         waits, self._gs_handles = self._gs_handles, {}
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
         self._gs_group_ready = {}
-        if self._gs_backward_ns[0]:
-            self._gs_timeline.span("backward", "BACKWARD", *self._gs_backward_ns)
-            self._gs_backward_ns = (0, 0)
+        self._gs_write_backward()
         for wait in waits.values():
             wait()
 
@@ -291,7 +340,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
                          gradient_predivide_factor: float = 1.0,
-                         sparse_as_dense: bool = False, num_groups: int = 0) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         compression: Compressor = Compression.none,
+                         process_set: ProcessSet = global_process_set,
+                         num_groups: int = 0) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
@@ -306,7 +358,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     schedulers after wrapping.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` over host (CPU) parameters.
+        optimizer: any ``torch.optim.Optimizer`` over host (CPU) or CUDA parameters (one GPU per
+            rank; see docs/gpu.md).
         named_parameters: ``model.named_parameters()``; names identify gradients across ranks and
             appear in errors. Without it, parameters are named by position ("param.<group>.<index>").
         backward_passes_per_step: backward passes accumulated locally before the allreduce
@@ -320,6 +373,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             number of ranks for Average): cheaper when few rows are touched. A rank on which such
             a parameter got no gradient in a step contributes dense zeros, which only matches the
             others with ``sparse_as_dense=True``.
+        compression: how gradients travel: ``gradsync.Compression.none`` (default), ``.fp16`` or
+            ``.bf16`` (float32/float64 gradients are cast to 16 bits before fusion and back after
+            the allreduce), or any object with ``compress``/``decompress``
+            (:class:`gradsync.compression.Compressor`). Sparse gradients are not compressed.
+        process_set: the ranks among which gradients are averaged (default: every rank); Average
+            divides by its size. Only its members may create the optimizer.
         num_groups: 0 (default): each gradient is allreduced on its own as soon as it is ready
             (and fused with others that happen to be ready at the same time). N > 0: the
             parameters, in the optimizer's order, are cut into N groups as evenly as possible, and
@@ -333,7 +392,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             names, optimizer parameters missing from ``named_parameters``,
             ``backward_passes_per_step < 1``, ``num_groups < 0``, a predivide factor with an op
             other than Average, an optimizer that is already distributed, or one whose ``step``
-            an LR scheduler created before wrapping has already replaced.
+            an LR scheduler created before wrapping has already replaced; a ``process_set`` that
+            is not registered or does not contain this rank.
+        TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
     """
     rank = runtime.get().rank
@@ -357,12 +418,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
+                        "decompress() methods (see gradsync.Compression)")
     original = type(optimizer)
     optimizer.__class__ = _distributed_class(original)
     try:
         optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
                                   float(gradient_predivide_factor), bool(sparse_as_dense),
-                                  num_groups)
+                                  compression, process_set, num_groups)
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise

@@ -1,0 +1,30 @@
+"""Process sets against numpy references: see tests/workers/process_set_check.py and
+tests/workers/toolkit_optimizer_check.py."""
+
+import pytest
+
+from mpi_launch import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_process_sets(ranks):
+    out = run_mpi("process_set_check.py", ranks, timeout=180).stdout
+    assert out.count("process_set_check rank") == ranks, out
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_optimizer_with_process_sets_and_compression(ranks):
+    out = run_mpi("toolkit_optimizer_check.py", ranks, timeout=180).stdout
+    assert out.count("toolkit_optimizer_check rank") == ranks, out
+
+
+def test_name_submitted_on_different_sets_is_reported():
+    env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    out = run_mpi("process_set_mismatch.py", 3, env=env, timeout=120, check=False).stdout
+    assert out.count("StallError after") == 3, out
+    for line in out.splitlines():
+        if "StallError after" in line:
+            assert float(line.split("after ")[1].split(" s")[0]) < 15, line
