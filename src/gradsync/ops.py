@@ -335,6 +335,9 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = Red
         name, op, prescale_factor, postscale_factor: as :func:`allreduce_async`, with the same dtype
             rules (float16/bfloat16 reduced in float32 and rounded once; integer Average is the
             floor of the mean; bool Sum/Max are or, Min/Product and).
+        process_set: the ranks that take part (default: every rank); the rows are split among
+            its members in world-rank order (``size`` is the set's size, ``r`` the member's
+            ``process_set.rank()``).
 
     Returns:
         A handle; :func:`synchronize` returns a new tensor of shape ``(counts[rank],) + shape[1:]``.
@@ -425,6 +428,8 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
             non-negative ints summing to ``tensor.shape[0]``; may differ between ranks and between
             calls. None: ``shape[0] / size()`` rows to every rank (which must divide evenly).
         name: identifies the collective across ranks (see the module docstring).
+        process_set: the ranks that take part (default: every rank); ``size()`` and rank above
+            then mean the set's size and this rank's position in it (``process_set.rank()``).
 
     Returns:
         A handle; :func:`synchronize` returns ``(output, received_splits)``: a new tensor of shape
