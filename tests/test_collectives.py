@@ -28,7 +28,7 @@ def test_every_new_op_matches_the_numpy_reference(n):
     result = run_mpi("collectives_check.py", n, timeout=300)
     passed = passed_cases(result.stdout)
     assert sorted(passed) == list(range(n)), f"not every rank finished:\n{result.stdout}"
-    assert min(passed.values()) > 3000, result.stdout  # no section silently stopped checking
+    assert min(passed.values()) > 2000, result.stdout  # no section silently stopped checking
 
 
 @pytest.mark.torch

@@ -378,9 +378,9 @@ def check_group_waits_for_its_last_member() -> None:
     executed: list[tuple[str, ...]] = []
     execute = coordinator._execute
 
-    def recording(response, replied_ns):
-        executed.append(response.names)
-        execute(response, replied_ns)
+    def recording(responses, replied_ns):  # one response, or a batch of device allreduces
+        executed.extend(response.names for response in responses)
+        execute(responses, replied_ns)
 
     coordinator._execute = recording
     late = SIZE - 1

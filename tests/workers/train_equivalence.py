@@ -59,8 +59,8 @@ reference_optimizer = make_optimizer(reference)
 executed: list[tuple[str, ...]] = []  # the names of every response the coordinator executes
 coordinator = gradsync.runtime.get().coordinator
 execute = coordinator._execute
-coordinator._execute = lambda response, replied_ns: (executed.append(response.names),
-                                                     execute(response, replied_ns))
+coordinator._execute = lambda responses, replied_ns: (
+    executed.extend(response.names for response in responses), execute(responses, replied_ns))
 
 data = torch.Generator().manual_seed(1234)
 loss_fn = torch.nn.CrossEntropyLoss()
