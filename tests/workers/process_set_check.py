@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import gradsync
 from gradsync import dtypes
+from gradsync.fusion import split_rows
 
 if MPI.COMM_WORLD.Get_size() > 1:
     evens = gradsync.ProcessSet(range(0, MPI.COMM_WORLD.Get_size(), 2))
@@ -95,6 +96,37 @@ def check_allreduce_every_dtype_on_each_set():
             expected = reference(mine.ranks, dtype, op)
             assert out.dtype == expected.dtype and np.array_equal(out, expected), (dtype, op, out,
                                                                                    expected)
+
+
+def check_grouped_reducescatter_alltoall_every_dtype_on_each_set():
+    """The newer collectives on the set, against numpy: rows are split among the set's members in
+    world-rank order, splits count the set's members."""
+    members, me = mine.ranks, mine.rank()
+    for dtype in dtypes.SUPPORTED:
+        op = gradsync.Sum
+        numpy_dtype = dtypes.NUMPY_DTYPES[dtype]
+        group = gradsync.grouped_allreduce([data(rank, dtype), data(rank, dtype)[0]], op=op,
+                                           name=f"gar.{dtype}", process_set=mine)
+        expected = reference(members, dtype, op)
+        assert np.array_equal(group[0], expected) and np.array_equal(group[1], expected[0]), dtype
+        tall = np.concatenate([data(rank, dtype)] * 3)  # 6 rows: split as evenly as possible
+        rows = split_rows(6, len(members))
+        start = sum(rows[:me])
+        full = np.concatenate([reference(members, dtype, op)] * 3)
+        out = gradsync.reducescatter(tall, op=op, name=f"rs.{dtype}", process_set=mine)
+        assert np.array_equal(out, full[start:start + rows[me]]), (dtype, out)
+        outs = gradsync.grouped_reducescatter([tall, tall[:1]], op=op, name=f"grs.{dtype}",
+                                              process_set=mine)
+        assert np.array_equal(outs[0], full[start:start + rows[me]]), dtype
+        # alltoall: member i sends j + 1 rows of value 10 * i + j to member j.
+        send = np.concatenate([np.full((j + 1, 2), 10 * me + j) for j in range(len(members))])
+        send = send.astype(numpy_dtype) if dtype != "bool" else (send % 2).astype(bool)
+        out, received = gradsync.alltoall(send, splits=[j + 1 for j in range(len(members))],
+                                          name=f"a2a.{dtype}", process_set=mine)
+        want = np.concatenate([np.full((me + 1, 2), 10 * i + me) for i in range(len(members))])
+        want = want.astype(numpy_dtype) if dtype != "bool" else (want % 2).astype(bool)
+        assert list(received) == [me + 1] * len(members), received
+        assert np.array_equal(out, want), (dtype, out, want)
 
 
 def check_broadcast_root_is_a_world_rank():
