@@ -274,7 +274,10 @@ def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
         tensors: a non-empty list or tuple of tensors of one dtype (any shapes), each as for
             :func:`allreduce_async`; the same number, shapes and dtype on every rank.
         name: the group's name (members are ``name.0``, ``name.1``, ...).
-        op, prescale_factor, postscale_factor: as :func:`allreduce_async`, for every member.
+        op: as :func:`allreduce_async`, for every member.
+        prescale_factor: as :func:`allreduce_async`, for every member.
+        postscale_factor: as :func:`allreduce_async`, for every member.
+        process_set: the ranks that take part (default: every rank).
 
     Returns:
         A :class:`~gradsync.handles.GroupHandle`; :func:`synchronize` returns the list of reduced
@@ -332,9 +335,12 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = Red
 
     Args:
         tensor: at least one dimension; the same shape and dtype on every rank.
-        name, op, prescale_factor, postscale_factor: as :func:`allreduce_async`, with the same dtype
-            rules (float16/bfloat16 reduced in float32 and rounded once; integer Average is the
-            floor of the mean; bool Sum/Max are or, Min/Product and).
+        name: identifies the collective across ranks, as for :func:`allreduce_async`.
+        op: as :func:`allreduce_async`, with the same dtype rules (float16/bfloat16 reduced in
+            float32 and rounded once; integer Average is the floor of the mean; bool Sum/Max are
+            or, Min/Product and).
+        prescale_factor: as :func:`allreduce_async`.
+        postscale_factor: as :func:`allreduce_async`.
         process_set: the ranks that take part (default: every rank); the rows are split among
             its members in world-rank order (``size`` is the set's size, ``r`` the member's
             ``process_set.rank()``).
@@ -370,7 +376,8 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
         rank's rows of each member, in the order of ``tensors``.
 
     Raises:
-        As :func:`grouped_allreduce_async`, plus ValueError for a 0-d member.
+        TypeError: as :func:`grouped_allreduce_async`.
+        ValueError: as :func:`grouped_allreduce_async`, and for a 0-d member.
     """
     return _grouped(tensors, name, Kind.REDUCESCATTER, op, prescale_factor, postscale_factor, False,
                     process_set)
