@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default="checkpoints/digits.pt")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU per process, the host's GPUs taken in turn by local_rank()")
     return parser.parse_args()
 
 
@@ -68,10 +70,18 @@ def main() -> None:
     torch.set_num_threads(1)  # one process per core: keep torch from oversubscribing it
     gradsync.init()  # gradsync: start the background coordinator
     rank, size = gradsync.rank(), gradsync.size()
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit(f"rank {rank}: --device cuda, but torch sees no CUDA GPU "
+                     "(torch.cuda.is_available() is False)")
+        # gradsync: one process per GPU; local_rank() numbers the processes on this host.
+        device = torch.device("cuda", gradsync.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_data()
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_data())
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
     loss_fn = nn.CrossEntropyLoss()
     # gradsync: the batch is `size` times larger than one process's, so is the learning rate.
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
@@ -81,7 +91,7 @@ def main() -> None:
     start_epoch = 0
     if args.resume and rank == 0:  # only rank 0 reads the file; the broadcasts below share it
         if os.path.exists(args.checkpoint):
-            state = torch.load(args.checkpoint)
+            state = torch.load(args.checkpoint, map_location=device)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             for group in opt.param_groups:  # the run may have a different number of ranks
@@ -106,7 +116,7 @@ def main() -> None:
         # A permutation shared by all ranks (same seed), then disjoint shards: indices[rank::size].
         epoch_rng = torch.Generator().manual_seed(args.seed + epoch)
         order = torch.randperm(len(y_train), generator=epoch_rng)
-        shard = order[rank::size][:steps * args.batch_size]
+        shard = order[rank::size][:steps * args.batch_size].to(device)
         train_loss.reset()
         train_acc.reset()
         for batch in shard.split(args.batch_size):

@@ -13,6 +13,7 @@
 #   pytest      the gpu-marked tests (tests/test_gpu.py, tests/test_nccl.py) and the fake-GPU tests
 #   nccl-train  DistributedOptimizer on the GPU through NCCL (world of 1) equals one process
 #   mpi-train   2 ranks sharing the GPU through the MPI staging path equal one process
+#   example-cuda  examples/train_digits.py --device cuda (one process per GPU via local_rank())
 #   timeline    a timeline of 20 training steps (NCCL), and its ALLREDUCE/BACKWARD overlap figure
 #   benchmark   step time: one process without gradsync, gradsync NCCL (1 rank), gradsync MPI (2 ranks)
 # $OUT/summary.txt lists PASS/FAIL per step and the figures. Exit status: 0 when every step passed,
@@ -102,6 +103,9 @@ grep -E "passed|failed|skipped" "$OUT/pytest.log" | tail -n 1 | sed 's/^/      /
 
 step nccl-train 90 "${MPIRUN[@]}" -n 1 "$PYTHON" tests/workers/gpu_train.py
 step mpi-train 90 env GRADSYNC_GPU_OPERATIONS=MPI "${MPIRUN[@]}" -n 2 "$PYTHON" tests/workers/gpu_train.py
+# The README's example on the GPU (needs scikit-learn and tqdm; the step fails without them).
+step example-cuda 120 "${MPIRUN[@]}" -n 1 "$PYTHON" examples/train_digits.py --device cuda --epochs 5 \
+    --checkpoint "$OUT/digits.pt"
 
 # ---- timeline and overlap --------------------------------------------------------------------------
 BENCH=(benchmarks/train_step.py --device cuda --batch 256 --steps 30 --warmup 5)
