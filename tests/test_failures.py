@@ -1,10 +1,13 @@
 """No hang when a rank fails: the survivors get an error naming the rank, the job exits non-zero.
 
 The rank-loss jobs are launched so that the launcher does *not* clean up after a dead rank (MPICH:
-``mpiexec -disable-auto-cleanup``; Open MPI: ``--enable-recovery``), and a SIGKILLed rank runs under
-``sh -c '...; sleep'`` so that not even its death reaches the launcher (Hydra kills every rank when
-one dies of a signal, whatever the flags): what ends these jobs is gradsync's own detection, as under
-``srun`` without ``--kill-on-bad-exit``.
+``mpiexec -disable-auto-cleanup``), and a SIGKILLed rank runs under ``sh -c '...; sleep'`` so that not
+even its death reaches the launcher (Hydra kills every rank when one dies of a signal, whatever the
+flags): what ends these jobs is gradsync's own detection, as under ``srun`` without
+``--kill-on-bad-exit``. Open MPI 5's mpirun cannot be told to leave the survivors alone (with
+``--enable-recovery`` it still killed them at once in CI, and after their MPI_Abort it waited for
+the ``sh`` wrapper's sleep), so under Open MPI those tests are skipped and one test checks instead
+that mpirun itself ends the job with a non-zero status.
 """
 
 import os
@@ -33,6 +36,13 @@ def test_exception_on_one_rank_releases_the_others():
 
 def _no_cleanup_flags() -> list[str]:
     return ["--enable-recovery"] if flavour() == "openmpi" else ["-disable-auto-cleanup"]
+
+
+def _needs_a_launcher_that_leaves_survivors() -> None:
+    if flavour() == "openmpi":
+        pytest.skip("Open MPI's mpirun ends the whole job itself when a rank dies (even with "
+                    "--enable-recovery), so gradsync's own detection cannot be observed under it; "
+                    "these run under MPICH, and test_open_mpi_ends_the_job_itself covers Open MPI")
 
 
 def _leftovers(token: str, wait: float = 5.0) -> list[int]:
@@ -103,6 +113,7 @@ SCENARIOS = {  # name: (mode, victim (-1: the last rank), when, hide the death f
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_lost_rank_fails_every_survivor_within_the_timeout(scenario, ranks):
+    _needs_a_launcher_that_leaves_survivors()
     mode, victim, when, hide = SCENARIOS[scenario]
     victim = victim % ranks
     rc, out, died, errors = run_fault(ranks, mode, victim, when, hide)
@@ -117,8 +128,19 @@ def test_a_lost_rank_fails_every_survivor_within_the_timeout(scenario, ranks):
 
 
 def test_a_rank_that_exits_with_status_0_still_makes_the_job_fail():
+    _needs_a_launcher_that_leaves_survivors()
     rc, out, died, errors = run_fault(2, "exit0", 1, "pending")
     check_survivors(2, 1, rc, out, died, errors, "rank 1 stopped responding", TIMEOUT + SLACK)
+
+
+def test_open_mpi_ends_the_job_itself_when_a_rank_dies():
+    if flavour() != "openmpi":
+        pytest.skip("Open MPI's own clean-up; under MPICH the tests above cover rank loss")
+    started = time.monotonic()
+    rc, out, died, _ = run_fault(2, "exit", 1, "pending")
+    assert died is not None and rc != 0, out
+    assert time.monotonic() - started < 30, out
+    assert "COMPLETED" not in out, out
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
