@@ -66,6 +66,7 @@ def test_nccl_fusion_buffer_dtypes(dtype, average, expected):
     assert nccl_accumulator(dtype, average) == dtypes.NUMPY_DTYPES[expected]
 
 
+@pytest.mark.torch
 def test_a_tensor_on_an_unsupported_device_is_refused_naming_it():
     torch = pytest.importorskip("torch")
     gradsync.init()
@@ -203,6 +204,7 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     ("float32", "float32", 1.0, 1.0, 1), ("int32", "int64", 1.0, 1.0, 2), ("int8", "int64", 1.0, 1.0, 3),
     ("bool", "uint8", 1.0, 1.0, 1), ("int16", "int32", 1.0, 1.0, 1),
 ])
+@pytest.mark.torch
 def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype, prescale, scale,
                                                             floor_divisor):
     torch = pytest.importorskip("torch")

@@ -20,8 +20,11 @@ def test_the_script_parses_and_is_strict():
 
 
 def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
+    try:  # without torch (the numpy-only CI pass) the script must say so just the same
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     out = tmp_path / "out"
     result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
