@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gradsync as gs
+from mpi_launch import run_mpi
 
 
 @pytest.fixture
@@ -101,3 +102,9 @@ def test_init_works_again_after_shutdown(not_initialized):
         np.testing.assert_array_equal(gs.allreduce(np.ones(3), op=gs.Sum), np.ones(3))
         gs.shutdown()
         assert not gs.is_initialized()
+
+
+@pytest.mark.mpi
+def test_a_backend_failure_names_the_tensor_and_stops_gradsync():
+    out = run_mpi("backend_error.py", 1, timeout=60, check=False).stdout
+    assert "backend_error: passed" in out, out

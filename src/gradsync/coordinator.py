@@ -466,17 +466,17 @@ class Coordinator:
         except Exception as exc:
             error = exc
             if not isinstance(exc, CollectiveError):  # e.g. NcclError: fail the handles, then stop
-                names = ", ".join(repr(e.request.name) for e in everything)
+                listed = ", ".join(repr(e.request.name) for e in everything)
                 error = CollectiveError(f"gradsync: rank {self.world_rank}: {response.kind.name.lower()} "
-                                        f"of {names} failed: {type(exc).__name__}: {exc}")
+                                        f"of {listed} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
-            self._release(names)
+            self.queue.finished(names)
             for entry in everything:
                 entry.handle._set_error(error)
             if error is not exc:
                 raise
         else:
-            self._release(names)
+            self.queue.finished(names)
             for entry in everything:
                 self.negotiator.completed(entry.request)
                 if done is None:
@@ -487,15 +487,8 @@ class Coordinator:
                 self._autotuner.record(sum(entry.source.nbytes for entry in everything))
         finally:
             self._executing = []
-            self._release(names)
             if self.timeline is not None:
                 self._record(everything, replied_ns, started_ns, phases)
-
-    def _release(self, names: list[str]) -> None:
-        """Take ``names`` out of the in-flight set (once; later calls do nothing)."""
-        if names:
-            self.queue.finished(names)
-            names.clear()
 
     def _divisor(self, response: Response) -> int:
         """What Average divides by: the world size, or (join_divisor=contributors) the ranks
