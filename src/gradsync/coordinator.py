@@ -461,7 +461,7 @@ class Coordinator:
             elif response.kind == Kind.ALLGATHER:
                 phases = self._allgather(entries[0], response.first_dims)
             elif response.kind == Kind.JOIN:
-                entries[0].result = response.first_dims[0]  # the rank that joined last
+                entries[0].result = self._world(response.first_dims[0])  # the rank that joined last
             # BARRIER: negotiation itself proved that every rank arrived.
         except Exception as exc:
             error = exc

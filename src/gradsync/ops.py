@@ -296,7 +296,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
 def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
                              op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> GroupHandle:
+                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """In-place :func:`grouped_allreduce_async`: each result is written into its input tensor.
 
     Same arguments and errors, plus ValueError for a read-only member.
@@ -317,7 +317,7 @@ def grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
 def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
                        op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[Any]:
+                       process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async_`: reduces every tensor in place, returns the list."""
     return synchronize(grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
                                                 process_set))
@@ -366,7 +366,7 @@ def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
                                 op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> GroupHandle:
+                                process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start a reducescatter of every tensor of ``tensors`` as one group (one MPI_Reduce_scatter).
 
     Each member is split along its own dimension 0 as :func:`reducescatter_async` says.
@@ -386,7 +386,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
 def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
                           op: ReduceOp = ReduceOp.Average, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[Any]:
+                          process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_reducescatter_async`: returns the list of this rank's rows."""
     return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
                                                    postscale_factor, process_set))
@@ -598,10 +598,7 @@ def join(process_set: ProcessSet = global_process_set) -> int:
         NotInitializedError: before ``init()``. ShutdownError, StallError: gradsync stopped meanwhile.
         ValueError: ``process_set`` not registered or this rank not in it.
     """
-    rt = runtime.get()
-    last = _control(Kind.JOIN, None, process_set)
-    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: join")
-    return coordinator.world_ranks[last] if coordinator.world_ranks is not None else last
+    return _control(Kind.JOIN, None, process_set)
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
