@@ -84,7 +84,7 @@ def _rows() -> list[Row]:
             ("exit", "1", "data"), dies=True, nonzero=True),
         Row("3.set", "3 rank failure", "rank 2 os._exit(3) while the set [1, 2] and the global set wait", 3,
             ("exit", "2", "set"), dies=True, nonzero=True),
-        Row("3.user_exception", "3 rank failure", "rank 1 raises ValueError in user code; rank 0 in step()",
+        Row("3.user_exception", "3 rank failure", "rank 1 raises ValueError in user code; rank 0 in its step",
             2, ("failure.user_exception",), dies=False, nonzero=True),
         Row("4.coordinator", "4 coordinator error", f"rank 1's coordinator raises at cycle 5 ({fault})", 3,
             ("coordinator", "1", "steps"), dies=True, env={"GRADSYNC_TEST_FAULT": "coordinator:1:5"},

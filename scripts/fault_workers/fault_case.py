@@ -118,16 +118,22 @@ def stall() -> None:
 # ---- 3. an exception in user code --------------------------------------------------------------
 
 def user_exception() -> None:
-    """Rank 1 raises before its second backward; its interpreter exit runs gradsync.shutdown()."""
+    """Rank 1 raises before its second backward; its interpreter exit runs gradsync.shutdown().
+
+    Rank 0 fails in step() or, when the news arrives during its backward(), in a gradient hook."""
     model = torch.nn.Linear(8, 2)
     opt = gs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     for step in range(2):
         if rank == 1 and step == 1:
             start()
             raise ValueError("user code failed on rank 1")
-        opt.zero_grad()
-        model(torch.randn(4, 8)).sum().backward()
-        if expect_error(opt.step) is not None:
+
+        def train_step() -> None:
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()  # may already fail, from a gradient hook
+            opt.step()
+
+        if expect_error(train_step) is not None:
             sys.exit(3)
 
 
