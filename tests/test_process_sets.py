@@ -1,6 +1,8 @@
 """Process sets against numpy references: see tests/workers/process_set_check.py and
 tests/workers/toolkit_optimizer_check.py."""
 
+import re
+
 import pytest
 
 from mpi_launch import run_mpi
@@ -24,7 +26,6 @@ def test_optimizer_with_process_sets_and_compression(ranks):
 def test_name_submitted_on_different_sets_is_reported():
     env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3"}
     out = run_mpi("process_set_mismatch.py", 3, env=env, timeout=120, check=False).stdout
-    assert out.count("StallError after") == 3, out
-    for line in out.splitlines():
-        if "StallError after" in line:
-            assert float(line.split("after ")[1].split(" s")[0]) < 15, line
+    times = [float(t) for t in re.findall(r"StallError after (\d+\.\d) s", out)]
+    assert len(times) == 3, out
+    assert max(times) < 15, out

@@ -28,6 +28,10 @@ import gradsync
 
 MODE, VICTIM, WHEN = sys.argv[1], int(sys.argv[2]), sys.argv[3]  # argv[4]: the test's token
 LINGER = 1.5
+if WHEN == "training":
+    # Imported before init(): a multi-second import holding the GIL after init() would delay this
+    # rank's liveness messages against the short failure timeout of these tests.
+    import torch
 
 gradsync.init()
 rank, size = gradsync.rank(), gradsync.size()
@@ -57,8 +61,6 @@ def pending() -> None:
 
 
 def training() -> None:
-    import torch
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
