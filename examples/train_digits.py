@@ -30,7 +30,8 @@ from gradsync.metrics import Metric
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=20,
+                        help="total epochs, counting those a resumed checkpoint already trained")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
     parser.add_argument("--lr", type=float, default=0.05,
                         help="learning rate of one process; multiplied by the number of ranks")
@@ -109,7 +110,8 @@ def main() -> None:
     # rank waits at a gradient allreduce that another rank never reaches.
     steps = len(y_train) // size // args.batch_size
     # The bar goes to stdout so that it stays in order with the printed lines.
-    progress = tqdm(total=(args.epochs - start_epoch) * steps, disable=rank != 0, file=sys.stdout)
+    progress = tqdm(total=(args.epochs - start_epoch) * steps, file=sys.stdout,
+                    disable=rank != 0 or not sys.stdout.isatty())  # a bar is noise in a log file
     # gradsync: per-sample means over every rank's batches, averaged across ranks when read.
     train_loss, train_acc = Metric("train_loss"), Metric("train_accuracy")
     for epoch in range(start_epoch, args.epochs):

@@ -4,6 +4,8 @@ The environments below are what each launcher was observed to set (Slurm 22.05, 
 MPICH 5.0 wheels); tests/test_slurm.py runs the same cases for real under srun.
 """
 
+import sys
+
 import pytest
 
 from gradsync.runtime import Launcher, detect_launcher, launcher_mismatch
@@ -52,6 +54,8 @@ def test_a_world_of_one_under_a_launcher_of_two_names_the_mismatch_and_the_fix(e
     assert f"{launcher.name} started 2 processes" in message
     assert f"MPI ({vendor[0]} {'.'.join(map(str, vendor[1]))}) sees a world of 1" in message
     assert fix in message
+    if "mpiexec of" in fix:  # the example command is this Python, not whichever is first on PATH
+        assert f" -n 2 {sys.executable} ...`" in message, message
 
 
 @pytest.mark.parametrize("launcher, world_size", [

@@ -154,3 +154,21 @@ def test_alltoall_answers_with_the_split_matrix_and_checks_trailing_dimensions()
     reply = cycle(table, [Request("b", Kind.ALLTOALL, 0, "int8", (2, 2), splits=(1, 1))],
                   [Request("b", Kind.ALLTOALL, 1, "int8", (2, 3), splits=(1, 1))])
     assert "all but the first dimension must match" in reply.responses[0].error
+
+
+def test_in_a_process_set_messages_name_world_ranks_also_as_root_ranks():
+    table = MessageTable(size=2, fusion_threshold=1 << 20, world_ranks=(1, 3))
+    (response,) = cycle(table, [allreduce("t", 0, shape=(2,))], [allreduce("t", 1, shape=(3,))]).responses
+    assert response.error == "allreduce 't': ranks disagree on shape: rank 1: (2,), rank 3: (3,)"
+    roots = [Request("b", Kind.BROADCAST, r, "float32", (2,), root=r) for r in range(2)]
+    (response,) = cycle(table, [roots[0]], [roots[1]]).responses
+    assert response.error == "broadcast 'b': ranks disagree on root rank: rank 1: 1, rank 3: 3"
+
+
+def test_a_disagreement_on_an_unnamed_collective_says_to_name_it():
+    table = MessageTable(size=2, fusion_threshold=1 << 20)
+    name = "allreduce.noname.3"
+    (response,) = cycle(table, [allreduce(name, 0, shape=(2,))], [allreduce(name, 1, shape=(3,))]).responses
+    assert response.error.startswith(f"allreduce {name!r}: ranks disagree on shape: rank 0: (2,), rank 1: (3,); "
+                                     "unnamed collectives are matched by the order of the calls"), response.error
+    assert response.error.endswith("pass name= to each")

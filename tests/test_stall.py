@@ -16,6 +16,16 @@ def test_report_lists_submitting_and_missing_ranks():
     assert not shut
     assert "'grad.w' (waiting 75.0 s): submitted by rank(s) [0, 2], missing on rank(s) [1, 3]" in report
     assert "fresh" not in report and "done" not in report
+    assert report.endswith("set GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS to make them fail with this report "
+                           "after that many seconds.")
+
+
+def test_a_process_sets_report_names_world_ranks():
+    inspector = StallInspector(size=3, check_time=1, shutdown_time=0, process_set_id=2,
+                               world_ranks=(1, 4, 6))
+    report, _ = inspector.inspect({"x": {0, 2}}, {"x": 5.0}, elsewhere={"x": {1: 0}})
+    assert ("'x' (waiting 5.0 s): submitted by rank(s) [1, 6], missing on rank(s) [4]; ranks disagree "
+            "on process set: rank 1: process set 2, rank 6: process set 2, rank 4: process set 0") in report
 
 
 def test_report_says_when_it_shuts_down():

@@ -172,7 +172,7 @@ class Coordinator:
         self._buffers = fusion.FusionBuffers()
         self._receive_buffers = fusion.FusionBuffers()  # reducescatter receives beside its send buffer
         _check_same_everywhere(comm, config)
-        self.negotiator = Negotiator(comm, config, process_set_id)
+        self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
         self._executing: list[Entry] = []  # the entries of the response being carried out
         self._join_divisor = config.join_divisor
@@ -205,7 +205,8 @@ class Coordinator:
             self._watchdog = Watchdog(comm.Dup(), timing, lambda: self.busy, self._lost,
                                       world_ranks=world_ranks)
         self.device = DeviceExecutor(comm, self._backend, config.gpu_operations, self.timeline,
-                                     on_error=lambda message: self.queue.interrupt())
+                                     on_error=lambda message: self.queue.interrupt(),
+                                     world_ranks=world_ranks)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
 
@@ -325,12 +326,10 @@ class Coordinator:
         return rank if self.world_ranks is None else self.world_ranks[rank]
 
     def _set_ranks_note(self) -> str:
-        """For a process set: how the set's ranks in negotiation messages map to world ranks."""
+        """For a process set: which set a negotiation message is about (its ranks are world ranks)."""
         if self.world_ranks is None:
             return ""
-        mapping = ", ".join(f"{i}={r}" for i, r in enumerate(self.world_ranks))
-        return (f" (in process set {self.process_set_id}, whose ranks are numbered within the set; "
-                f"set rank=world rank: {mapping})")
+        return f" (in process set {self.process_set_id}, world ranks {list(self.world_ranks)})"
 
     def _waited_on(self):
         """(name, submission time in ns) of the pending collectives a stall report is about; join()

@@ -81,12 +81,17 @@ class DeviceExecutor:
         gpu_operations: the GRADSYNC_GPU_OPERATIONS setting ('', 'nccl' or 'mpi', any case).
         timeline: the coordinator's timeline, or None.
         on_error: called (from the watchdog thread) with the message of an asynchronous error.
+        world_ranks: for a process set, ``world_ranks[i]`` is the world rank of its rank ``i``
+            (messages name world ranks); None for the global set.
     """
 
     def __init__(self, comm, mpi: MpiBackend, gpu_operations: str, timeline=None,
-                 on_error: Callable[[str], None] = lambda message: None) -> None:
+                 on_error: Callable[[str], None] = lambda message: None,
+                 world_ranks: tuple[int, ...] | None = None) -> None:
         self._comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()  # within the coordinator's set
+        self._world = tuple(world_ranks) if world_ranks is not None else tuple(range(self.size))
+        self.world_rank = self._world[self.rank]
         self._mpi = mpi
         self._setting = gpu_operations
         self.timeline = timeline
@@ -136,9 +141,9 @@ class DeviceExecutor:
             choice = resolve_gpu_operations(self._setting, nccl.nccl_built())
             choices = self._comm.allgather(choice)
             if any(c != choice for c in choices):
-                listed = ", ".join(f"rank {r}: {c.upper()}" for r, c in enumerate(choices))
+                listed = ", ".join(f"rank {self._world[r]}: {c.upper()}" for r, c in enumerate(choices))
                 raise CollectiveError(
-                    f"gradsync: rank {self.rank}: the ranks move GPU tensors differently ({listed}): "
+                    f"gradsync: rank {self.world_rank}: the ranks move GPU tensors differently ({listed}): "
                     "set GRADSYNC_GPU_OPERATIONS to the same value (NCCL or MPI) on every rank, or "
                     "make NCCL load everywhere")
             if choice == "nccl":
@@ -149,7 +154,7 @@ class DeviceExecutor:
                 from .backends.staging import StagingBackend
 
                 self.backend = StagingBackend(self._mpi)
-            log.debug("gradsync: rank %d: GPU collectives through %s", self.rank, self.backend.name)
+            log.debug("gradsync: rank %d: GPU collectives through %s", self.world_rank, self.backend.name)
         return self.backend
 
     def _fusion_buffer(self, runtime: DeviceRuntime, device: int, dtype: np.dtype, count: int) -> Any:
@@ -277,7 +282,7 @@ class DeviceExecutor:
         """
         if self.device is None:
             raise CollectiveError(
-                f"gradsync: rank {self.rank}: {entry.request.name!r}: this rank called join() before "
+                f"gradsync: rank {self.world_rank}: {entry.request.name!r}: this rank called join() before "
                 "moving any GPU tensor, so it cannot take part in the other ranks' GPU collectives; "
                 "submit one GPU collective before join()")
         runtime, device = self.device
@@ -363,7 +368,7 @@ class DeviceExecutor:
 
     def _fail(self, error: str) -> None:
         self.error = f"GPU collectives failed: {error}"
-        log.error("gradsync: rank %d: %s; aborting the NCCL communicators", self.rank, self.error)
+        log.error("gradsync: rank %d: %s; aborting the NCCL communicators", self.world_rank, self.error)
         try:
             if self.backend is not None:
                 self.backend.close(abort=True)

@@ -52,8 +52,12 @@ class MessageTable:
     """Rank 0's record of submitted requests not yet answered."""
 
     def __init__(self, size: int, fusion_threshold: int,
-                 inspector: StallInspector | None = None) -> None:
+                 inspector: StallInspector | None = None,
+                 world_ranks: tuple[int, ...] | None = None) -> None:
+        """``world_ranks[i]``: the world rank of rank ``i`` (of a process set), so that messages name
+        world ranks; None for the global set."""
         self.size = size
+        self.world = tuple(world_ranks) if world_ranks is not None else tuple(range(size))
         self.fusion_threshold = fusion_threshold
         self.inspector = inspector
         self._requests: dict[str, list[Request | None]] = {}
@@ -155,7 +159,7 @@ class MessageTable:
             del elsewhere[name]
         report, shut = self.inspector.inspect(submitted, ages, elsewhere)
         if report is not None:
-            log.warning("gradsync: rank 0: %s", report)
+            log.warning("gradsync: rank %d: %s", self.world[0], report)
         return report if shut else None
 
     def pending(self) -> dict[str, list[int]]:
@@ -175,9 +179,9 @@ class MessageTable:
             slots = self._requests.pop(name)
             del self._first_seen[name]
             first = representative[name] = next(slot for slot in slots if slot is not None)
-            error = _disagreement(slots)
+            error = _disagreement(slots, self.world)
             if error is None and first.kind == Kind.BROADCAST and first.root in joined:
-                error = (f"broadcast {name!r}: its root rank {first.root} has called join() and "
+                error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
                          "cannot broadcast")
             if error is not None:
                 responses.append(Response(first.kind, (name,), error=error))
@@ -209,7 +213,7 @@ class MessageTable:
             slots = self._requests.pop(name)
             del self._first_seen[name]
             first = representative[name] = next(slot for slot in slots if slot is not None)
-            error = error or _disagreement(slots)
+            error = error or _disagreement(slots, self.world)
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
         if error is not None:
@@ -218,10 +222,11 @@ class MessageTable:
         return Response(first.kind, names, error=error)
 
 
-def _disagreement(slots: list[Request | None]) -> str | None:
+def _disagreement(slots: list[Request | None], world: tuple[int, ...]) -> str | None:
     """An error message if the ranks' requests for one name disagree, else None (ranks that
-    joined and did not submit it are left out)."""
-    present = [(rank, r) for rank, r in enumerate(slots) if r is not None]
+    joined and did not submit it are left out). ``world[i]`` is the world rank of slot ``i``: the
+    message names world ranks, also as root ranks."""
+    present = [(world[rank], r) for rank, r in enumerate(slots) if r is not None]
     first = present[0][1]
     signature = first[:2] + first[3:]
     if first.kind not in _VARIABLE_FIRST_DIM and all(r[:2] + r[3:] == signature for _, r in present):
@@ -229,6 +234,8 @@ def _disagreement(slots: list[Request | None]) -> str | None:
     kind = first.kind.name.lower()
     for field, word in _AGREED_FIELDS:
         values = [(rank, getattr(r, field)) for rank, r in present]
+        if field == "root":
+            values = [(rank, world[root]) for rank, root in values]
         if any(v != values[0][1] for _, v in values):
             return _mismatch(kind, first.name, word, values)
     shapes = [(rank, r.shape) for rank, r in present]
@@ -243,7 +250,11 @@ def _disagreement(slots: list[Request | None]) -> str | None:
 
 def _mismatch(kind: str, name: str, word: str, values: list[tuple[int, object]]) -> str:
     listed = ", ".join(f"rank {rank}: {_show(v)}" for rank, v in values)
-    return f"{kind} {name!r}: ranks disagree on {word}: {listed}"
+    hint = ""
+    if ".noname." in name:
+        hint = ("; unnamed collectives are matched by the order of the calls on each rank, so the "
+                "ranks may have paired two different calls: pass name= to each")
+    return f"{kind} {name!r}: ranks disagree on {word}: {listed}{hint}"
 
 
 def _show(value) -> str:
@@ -253,7 +264,8 @@ def _show(value) -> str:
 class Negotiator:
     """This rank's side of negotiation; used by the coordinator thread only (it owns ``comm``)."""
 
-    def __init__(self, comm, config: Config, process_set_id: int = 0) -> None:
+    def __init__(self, comm, config: Config, process_set_id: int = 0,
+                 world_ranks: tuple[int, ...] | None = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.fusion_threshold = config.fusion_threshold
@@ -264,8 +276,9 @@ class Negotiator:
             inspector = None
             if config.stall_check_time_seconds > 0:
                 inspector = StallInspector(comm.Get_size(), config.stall_check_time_seconds,
-                                           config.stall_shutdown_time_seconds, process_set_id)
-            self.table = MessageTable(comm.Get_size(), config.fusion_threshold, inspector)
+                                           config.stall_shutdown_time_seconds, process_set_id,
+                                           world_ranks)
+            self.table = MessageTable(comm.Get_size(), config.fusion_threshold, inspector, world_ranks)
         self.cache = ResponseCache(config.cache_capacity) if config.cache_capacity > 0 else None
         self._words = math.ceil(config.cache_capacity / 64)
         self._all_ones = (1 << (64 * self._words)) - 1

@@ -94,9 +94,10 @@ def launcher_mismatch(launcher: Launcher, world_size: int,
                           "`srun --mpi=list` lists this SLURM's plugins).")
     beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     where = f" ({beside})" if beside else ""
+    example = f"{beside or 'mpiexec'} -n {expected} {sys.executable} ..."
     return problem + (
         f"The launcher belongs to another MPI: launch with the mpiexec of {name}{where}, "
-        f"e.g. `mpiexec -n {expected} python ...`.")
+        f"e.g. `{example}`.")
 
 
 def _warn_if_batch_script_without_srun(launcher: Launcher, world_size: int) -> None:
@@ -175,7 +176,8 @@ class Runtime:
                              "gradsync.add_process_set() on every rank first")
         if state[1] is None:
             raise ValueError(f"{where}: rank {self.rank} is not a member of {process_set}; only its "
-                             "members may run collectives on it")
+                             "members may run collectives on it (guard the call with "
+                             "`if process_set.included():`)")
         return state[1]
 
     def add_process_set(self, process_set: ProcessSet) -> ProcessSet:

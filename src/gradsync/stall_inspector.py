@@ -63,8 +63,11 @@ class StallInspector:
     """Rank 0's report builder."""
 
     def __init__(self, size: int, check_time: float, shutdown_time: float,
-                 process_set_id: int = 0) -> None:
+                 process_set_id: int = 0, world_ranks: tuple[int, ...] | None = None) -> None:
+        """``world_ranks[i]``: the world rank of the process set's rank ``i`` (reports name world
+        ranks); None for the global set."""
         self.size = size
+        self.world = tuple(world_ranks) if world_ranks is not None else tuple(range(size))
         self.process_set_id = process_set_id
         self.check_time = check_time
         self.shutdown_time = shutdown_time
@@ -89,13 +92,15 @@ class StallInspector:
         for name in stalled[:50]:
             have = sorted(submitted[name])
             missing = sorted(set(range(self.size)) - set(have))
-            line = (f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) {have}, "
-                    f"missing on rank(s) {missing}")
+            world = self.world
+            line = (f"  {name!r} (waiting {ages[name]:.1f} s): submitted by rank(s) "
+                    f"{[world[r] for r in have]}, missing on rank(s) {[world[r] for r in missing]}")
             other_sets = elsewhere.get(name, {})
             if other_sets:
                 line += "; ranks disagree on process set: " + ", ".join(
-                    [f"rank {r}: process set {self.process_set_id}" for r in have]
-                    + [f"rank {r}: process set {other_sets[r]}" for r in missing if r in other_sets])
+                    [f"rank {world[r]}: process set {self.process_set_id}" for r in have]
+                    + [f"rank {world[r]}: process set {other_sets[r]}" for r in missing
+                       if r in other_sets])
             lines.append(line)
         if len(stalled) > 50:
             lines.append(f"  ... and {len(stalled) - 50} more")
@@ -105,4 +110,7 @@ class StallInspector:
         if shut:
             lines.append(f"Shutting gradsync down on every rank: the stall lasted more than "
                          f"GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_time:g} s.")
+        elif self.shutdown_time <= 0:
+            lines.append("They keep waiting; set GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS to make them fail "
+                         "with this report after that many seconds.")
         return "\n".join(lines), shut
