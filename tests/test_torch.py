@@ -40,3 +40,9 @@ def test_adam_with_gradient_accumulation_equals_single_process():
 def test_optimizer_behaviour(ranks):
     out = run_mpi("optimizer_check.py", ranks, timeout=180).stdout
     assert out.count("optimizer cases passed") == ranks, out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_first_step_warns_when_ranks_hold_different_parameters(ranks):
+    out = run_mpi("parameter_check.py", ranks, timeout=120).stdout
+    assert out.count("parameter_check rank") == ranks, out

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from .. import ops, runtime
@@ -15,6 +17,8 @@ from ..compression import Compression, Compressor
 from ..fusion import split_rows
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
+
+log = logging.getLogger("gradsync")
 
 
 class _DistributedOptimizer:
@@ -53,6 +57,7 @@ class _DistributedOptimizer:
             self._gs_track(group, group_index)
         self._gs_group_of = _reduction_groups(list(self._gs_names), num_groups)
         self._gs_group_ready: dict[int, int] = {}  # reduction group -> its parameters submitted
+        self._gs_parameters_checked = False  # the first step() compares the ranks' parameters
 
     def _gs_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -236,10 +241,47 @@ class _DistributedOptimizer:
             self._gs_skip = False
 
     def step(self, closure=None):
-        """Wait for this step's gradient allreduces (unless inside skip_synchronize), then step."""
+        """Wait for this step's gradient allreduces (unless inside skip_synchronize), then step.
+
+        The first call also checks that the ranks hold the same parameters (one small allreduce);
+        see :meth:`_gs_check_parameters_agree`.
+        """
         if not self._gs_skip:
             self.synchronize()
+        if not self._gs_parameters_checked:
+            self._gs_parameters_checked = True
+            self._gs_check_parameters_agree()
         return super().step(closure)
+
+    def _gs_check_parameters_agree(self) -> None:
+        """Warn, from the process set's first rank, when the ranks' parameters differ before the
+        first update: the most common silent mistake (no ``broadcast_parameters`` after building a
+        model with a rank-dependent or unseeded initialisation). Every rank would then apply the
+        same averaged update to different weights, and the ranks would never agree.
+
+        Each parameter's bits are summed as integers (exact, and the same whatever the order of
+        the sum, so equal parameters always compare equal) and compared by one allreduce (Max of
+        ``[sums, -sums]``, 16 bytes per parameter) on the optimizer's process set. A warning, not
+        an error: DDP copies rank 0's parameters at construction, Horovod leaves it to the user.
+        """
+        params = list(self._gs_names)
+        if self._gs_size == 1 or not params:
+            return
+        with torch.no_grad():
+            sums = torch.stack([_bit_sum(p) for p in params]).cpu().numpy()
+        n = len(params)
+        top = ops.allreduce(np.concatenate([sums, -sums]), op=ReduceOp.Max,
+                            name=f"gradsync.parameter_check.{self._gs_names[params[0]]}",
+                            process_set=self._gs_process_set)
+        differ = [self._gs_names[params[i]] for i in range(n) if top[i] != -top[n + i]]  # max != min
+        if differ and self._gs_process_set.rank() == 0:
+            log.warning(
+                "gradsync: rank %d: the ranks hold different parameters at the first step(): %d of "
+                "%d differ, e.g. %s. Every rank would apply the same averaged update to different "
+                "weights, and they would never agree. Call gradsync.broadcast_parameters("
+                "model.state_dict(), root_rank=0) once before training (and "
+                "gradsync.broadcast_optimizer_state(optimizer, root_rank=0) when resuming).",
+                self._gs_rank, len(differ), n, ", ".join(map(repr, differ[:3])))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, refusing while their allreduces are still in flight.
@@ -276,6 +318,16 @@ class _DistributedOptimizer:
         self._gs_counts = dict.fromkeys(self._gs_counts, 0)
         self._gs_group_ready = {}
         super().load_state_dict(state_dict)
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def _bit_sum(param: torch.Tensor) -> torch.Tensor:
+    """The sum of ``param``'s bits read as integers (int64, on its device): equal tensors give equal
+    sums, exactly, in any order of summation; 8- and 16-byte elements are read as int32 words."""
+    flat = param.detach().contiguous().reshape(-1)
+    return flat.view(_INT_OF_SIZE.get(flat.element_size(), torch.int32)).sum(dtype=torch.int64)
 
 
 def _weak_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
@@ -352,6 +404,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks compute the
     same update as one process on the N-times larger batch (same semantics as Horovod's
     DistributedOptimizer).
+
+    The first ``step()`` also compares the ranks' parameters (one small allreduce) and logs a
+    warning naming those that differ: the usual sign of a missing
+    :func:`gradsync.broadcast_parameters`.
 
     The optimizer is wrapped *in place* (its class becomes a subclass that adds synchronisation)
     and returned, so its state, param groups and any reference to it stay valid. Create LR
