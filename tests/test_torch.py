@@ -44,5 +44,7 @@ def test_optimizer_behaviour(ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_the_first_step_warns_when_ranks_hold_different_parameters(ranks):
-    out = run_mpi("parameter_check.py", ranks, timeout=120).stdout
+    # A stall (a check that only some ranks submit) fails the job within seconds, not at the timeout.
+    env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "2", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "10"}
+    out = run_mpi("parameter_check.py", ranks, env=env, timeout=120).stdout
     assert out.count("parameter_check rank") == ranks, out

@@ -181,6 +181,7 @@ class Coordinator:
         # (time.monotonic() at entry, what) while inside a cycle or a collective; read by the watchdog.
         self.busy: tuple[float, object] | None = None
         self.failure: str | None = None  # why gradsync stopped, when MPI can no longer finish cleanly
+        self.joins = 0  # join() calls completed on this set (the same count on every member)
         fault = injected_fault()
         injected_here = fault is not None and fault[1] == self.world_rank and world_ranks is None
         self._fault_cycle = fault[2] if injected_here else 0
@@ -461,6 +462,7 @@ class Coordinator:
                 phases = self._allgather(entries[0], response.first_dims)
             elif response.kind == Kind.JOIN:
                 entries[0].result = self._world(response.first_dims[0])  # the rank that joined last
+                self.joins += 1
             # BARRIER: negotiation itself proved that every rank arrived.
         except Exception as exc:
             error = exc

@@ -46,8 +46,10 @@ class _DistributedOptimizer:
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
-        self._gs_timeline = runtime.get().coordinator_for(
-            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer").timeline
+        self._gs_coordinator = runtime.get().coordinator_for(
+            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer")
+        self._gs_timeline = self._gs_coordinator.timeline
+        self._gs_joins = self._gs_coordinator.joins  # see _gs_check_parameters_agree
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_backward_events = None  # the same on a GPU: timing events on the compute stream
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
@@ -263,25 +265,37 @@ class _DistributedOptimizer:
         the sum, so equal parameters always compare equal) and compared by one allreduce (Max of
         ``[sums, -sums]``, 16 bytes per parameter) on the optimizer's process set. A warning, not
         an error: DDP copies rank 0's parameters at construction, Horovod leaves it to the user.
+
+        Skipped on a rank whose first step comes after a completed ``join()``: the other ranks
+        may have run their check while this rank stood in for it, and would never submit it again.
         """
         params = list(self._gs_names)
-        if self._gs_size == 1 or not params:
+        if self._gs_size == 1 or not params or self._gs_coordinator.joins != self._gs_joins:
             return
-        with torch.no_grad():
-            sums = torch.stack([_bit_sum(p) for p in params]).cpu().numpy()
         n = len(params)
+        sums = np.empty(n, np.int64)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, param in enumerate(params):
+            by_device.setdefault(param.device, []).append(i)
+        with torch.no_grad():
+            for indices in by_device.values():  # one copy to the host per device
+                sums[indices] = torch.stack([_bit_sum(params[i]) for i in indices]).cpu().numpy()
         top = ops.allreduce(np.concatenate([sums, -sums]), op=ReduceOp.Max,
                             name=f"gradsync.parameter_check.{self._gs_names[params[0]]}",
                             process_set=self._gs_process_set)
         differ = [self._gs_names[params[i]] for i in range(n) if top[i] != -top[n + i]]  # max != min
         if differ and self._gs_process_set.rank() == 0:
+            where = "root_rank=0"
+            if self._gs_process_set.process_set_id != 0:
+                where = (f"root_rank={self._gs_process_set.ranks[0]}, process_set=<this optimizer's "
+                         f"{self._gs_process_set}>")
             log.warning(
                 "gradsync: rank %d: the ranks hold different parameters at the first step(): %d of "
                 "%d differ, e.g. %s. Every rank would apply the same averaged update to different "
                 "weights, and they would never agree. Call gradsync.broadcast_parameters("
-                "model.state_dict(), root_rank=0) once before training (and "
-                "gradsync.broadcast_optimizer_state(optimizer, root_rank=0) when resuming).",
-                self._gs_rank, len(differ), n, ", ".join(map(repr, differ[:3])))
+                "model.state_dict(), %s) once before training (and "
+                "gradsync.broadcast_optimizer_state(optimizer, %s) when resuming).",
+                self._gs_rank, len(differ), n, ", ".join(map(repr, differ[:3])), where, where)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, refusing while their allreduces are still in flight.
