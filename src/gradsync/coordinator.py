@@ -492,13 +492,6 @@ class Coordinator:
                 self._record(everything, replied_ns, started_ns, phases)
 
     def _divisor(self, response: Response) -> int:
-        """What Average divides by: the world size, or (join_divisor=contributors) the ranks
-        that submitted."""
-        if self._join_divisor == "contributors" and response.contributors:
-            return response.contributors
-        return self.size
-
-    def _divisor(self, response: Response) -> int:
         """What Average divides the sum by: the world size, or (GRADSYNC_JOIN_DIVISOR=contributors)
         the ranks that had not joined."""
         if self._join_divisor == "contributors" and response.contributors:

@@ -176,9 +176,7 @@ class MessageTable:
             if isinstance(name, tuple):
                 responses.append(self._group_response(name, representative))
                 continue
-            slots = self._requests.pop(name)
-            del self._first_seen[name]
-            first = representative[name] = next(slot for slot in slots if slot is not None)
+            slots, first = self._take(name, representative)
             error = _disagreement(slots, self.world)
             if error is None and first.kind == Kind.BROADCAST and first.root in joined:
                 error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
@@ -206,13 +204,19 @@ class MessageTable:
                          if r.kind != Kind.JOIN else r for r in responses]
         return tuple(responses)
 
+    def _take(self, name: str, representative: dict[str, Request]) -> tuple[list[Request | None], Request]:
+        """Remove ``name`` from the table, answered: its slots, and its first request (recorded in
+        ``representative``, from which joined ranks build their stand-ins)."""
+        slots = self._requests.pop(name)
+        del self._first_seen[name]
+        first = representative[name] = next(slot for slot in slots if slot is not None)
+        return slots, first
+
     def _group_response(self, names: tuple[str, ...], representative: dict[str, Request]) -> Response:
         """One response for a whole group: every member fused, or an error for every member."""
         error = None
         for name in names:
-            slots = self._requests.pop(name)
-            del self._first_seen[name]
-            first = representative[name] = next(slot for slot in slots if slot is not None)
+            slots, first = self._take(name, representative)
             error = error or _disagreement(slots, self.world)
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
@@ -297,7 +301,7 @@ class Negotiator:
 
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
         for (name, seconds waited, None) and what it waits for on its other process sets
-        (name, 0.0, process set id)        for (name, seconds waited), sent when a report is being made.
+        (name, 0.0, process set id), sent when a report is being made.
         """
         if self._partial or any(map(_GROUP, requests)):
             requests = self._whole_groups(requests)
