@@ -123,6 +123,13 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
                         f"floating-point tensor, but it is {dtype}")
 
 
+def _check_not_scalar(shape: tuple[int, ...], where: str) -> None:
+    """Allgather and alltoall concatenate and split along dimension 0, which a 0-d tensor lacks."""
+    if len(shape) == 0:
+        raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
+                         "to (1,))")
+
+
 def _host_only(device: DeviceRuntime | None, kind: Kind, where: str) -> None:
     if device is not None:
         raise TypeError(f"{where}: {kind.name.lower()} of GPU tensors is not supported yet (allreduce, "
@@ -451,9 +458,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
     """
     coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLTOALL, process_set)
     _host_only(device, Kind.ALLTOALL, where)
-    if len(info.shape) == 0:
-        raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
-                         "to (1,))")
+    _check_not_scalar(info.shape, where)
     splits = _check_splits(splits, info.shape[0], coordinator.size, where)
 
     def allocate(shape: tuple[int, ...], received: list[int]) -> tuple[Any, np.ndarray]:
@@ -463,8 +468,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
 
     name = _name(coordinator, name, "alltoall")
     request = Request(name, Kind.ALLTOALL, coordinator.rank, info.dtype, info.shape, splits=splits)
-    entry = Entry(request, Handle(name), adapter.host_view(tensor), None, None, allocate)
-    return coordinator.submit(entry)
+    return coordinator.submit(_entry(request, adapter.host_view(tensor), None, None, None, allocate))
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
@@ -534,9 +538,7 @@ def allgather_async(tensor: Any, name: str | None = None,
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
     coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLGATHER, process_set)
-    if len(info.shape) == 0:
-        raise ValueError(f"{where}: needs at least one dimension, got a 0-d tensor (reshape it "
-                         "to (1,))")
+    _check_not_scalar(info.shape, where)
 
     view = adapter.host_view if device is None else device.view
 

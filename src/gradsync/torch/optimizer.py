@@ -125,7 +125,7 @@ class _DistributedOptimizer:
             from .device import DEVICE
 
             first, last, device = self._gs_backward_events
-            runtime.get().coordinator.device.gpu_span(DEVICE, device, "backward", "BACKWARD", first, last)
+            self._gs_coordinator.device.gpu_span(DEVICE, device, "backward", "BACKWARD", first, last)
             self._gs_backward_events = None
 
     def _gs_submit(self, param: torch.Tensor) -> None:
