@@ -22,17 +22,18 @@ of hanging. With a timeline, the spans of device work are measured with CUDA tim
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from . import dtypes, nccl
+from . import dtypes, fusion, nccl
 from .backends.mpi import MpiBackend
 from .device import DeviceRuntime, resolve_gpu_operations
 from .errors import CollectiveError
@@ -98,7 +99,10 @@ class DeviceExecutor:
         self.backend = None
         self.device: tuple[DeviceRuntime, int] | None = None  # this rank's GPU, once it used one
         self._streams: dict[int, Any] = {}
-        self._buffers: dict[tuple[int, np.dtype], Any] = {}
+        # Device fusion buffers, keyed (runtime, device, dtype). Allocated on the communication
+        # stream, the only stream that uses them, so reusing one next cycle is ordered after this
+        # cycle's unpack.
+        self._buffers = fusion.FusionBuffers(lambda key, count: key[0].empty(key[1], key[2], count))
         self._clocks: dict[int, Clock] = {}
         self._on_error = on_error
         self.error: str | None = None
@@ -157,27 +161,26 @@ class DeviceExecutor:
             log.debug("gradsync: rank %d: GPU collectives through %s", self.world_rank, self.backend.name)
         return self.backend
 
-    def _fusion_buffer(self, runtime: DeviceRuntime, device: int, dtype: np.dtype, count: int) -> Any:
-        """The device fusion buffer of (device, dtype), at least ``count`` elements, grown on demand.
-        Allocated on the communication stream, which is the only stream that uses it, so reusing it
-        next cycle is ordered after this cycle's unpack."""
-        buffer = self._buffers.get((device, dtype))
-        if buffer is None or buffer.shape[0] < count:
-            buffer = self._buffers[(device, dtype)] = runtime.empty(device, dtype, max(count, 1))
-        return buffer[:count]
+    @contextlib.contextmanager
+    def _on_comm_stream(self, runtime: DeviceRuntime, device: int,
+                        entries: list) -> Iterator[tuple[Any, Any, _Timing]]:
+        """Make ``device``'s communication stream current, ordered after every entry's producer
+        (its ``ready`` event); yields (backend, stream, timing) for the collective enqueued there."""
+        backend = self._backend()
+        stream = self._stream(runtime, device)
+        with runtime.on_stream(stream, device):
+            timing = self._timing(runtime, device, stream)
+            for entry in entries:
+                runtime.wait(stream, entry.ready)
+            yield backend, stream, timing
 
     # ---- collectives -------------------------------------------------------------------------
     def allreduce(self, groups: list[tuple[list, int]]) -> Any:
         """Enqueue the allreduces of one cycle: ``groups`` holds, per response, its entries (in
         fusion order) and the Average divisor. Returns the done event."""
-        runtime, device = groups[0][0][0].runtime, groups[0][0][0].device
-        backend = self._backend()
-        stream = self._stream(runtime, device)
         entries = [entry for group, _ in groups for entry in group]
-        with runtime.on_stream(stream, device):
-            timing = self._timing(runtime, device, stream)
-            for entry in entries:
-                runtime.wait(stream, entry.ready)
+        runtime, device = entries[0].runtime, entries[0].device
+        with self._on_comm_stream(runtime, device, entries) as (backend, stream, timing):
             plans = self._pack(runtime, device, backend, groups)
             packed = timing.mark()
             divided = backend.allreduce(runtime, device, stream,
@@ -213,7 +216,7 @@ class DeviceExecutor:
                 if entries[0].source is not entries[0].target or request.prescale != 1.0:
                     runtime.pack(entries[0].source, buffer, request.prescale)
             else:
-                buffer = self._fusion_buffer(runtime, device, dtype, fused[dtype])[start:start + count]
+                buffer = self._buffers.get((runtime, device, dtype), fused[dtype])[start:start + count]
                 offset = 0
                 for entry in entries:
                     n = math.prod(entry.request.shape)
@@ -230,13 +233,9 @@ class DeviceExecutor:
     def broadcast(self, entry) -> Any:
         """Enqueue the broadcast of ``entry`` from its root; returns the done event."""
         runtime, device = entry.runtime, entry.device
-        backend = self._backend()
-        stream = self._stream(runtime, device)
         request = entry.request
         dtype = dtypes.NUMPY_DTYPES[request.dtype]
-        with runtime.on_stream(stream, device):
-            timing = self._timing(runtime, device, stream)
-            runtime.wait(stream, entry.ready)
+        with self._on_comm_stream(runtime, device, [entry]) as (backend, stream, timing):
             contiguous = runtime.is_contiguous(entry.target)
             buffer = (runtime.flat(entry.target) if contiguous
                       else runtime.empty(device, dtype, math.prod(request.shape)))
@@ -252,16 +251,12 @@ class DeviceExecutor:
         """Enqueue the allgather of ``entry`` (rank r gives ``first_dims[r]`` rows); sets
         ``entry.result``; returns the done event."""
         runtime, device = entry.runtime, entry.device
-        backend = self._backend()
-        stream = self._stream(runtime, device)
         shape = entry.request.shape
         dtype = dtypes.NUMPY_DTYPES[entry.request.dtype]
         row = math.prod(shape[1:])
         # Allocated on the caller's stream (not the communication stream), where the user frees it.
         entry.result, entry.target = entry.allocate((sum(first_dims),) + tuple(shape[1:]))
-        with runtime.on_stream(stream, device):
-            timing = self._timing(runtime, device, stream)
-            runtime.wait(stream, entry.ready)
+        with self._on_comm_stream(runtime, device, [entry]) as (backend, stream, timing):
             send = entry.source
             if runtime.is_contiguous(send):
                 send = runtime.flat(send)

@@ -9,6 +9,8 @@ reduced alone, in place in its own memory when it is contiguous.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -62,18 +64,28 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
 
 
 class FusionBuffers:
-    """One reusable host buffer per accumulator dtype, grown on demand and never shrunk."""
+    """One reusable flat buffer per key, grown on demand and never shrunk.
 
-    def __init__(self) -> None:
-        self._buffers: dict[np.dtype, np.ndarray] = {}
+    By default the key is an accumulator dtype and the buffers are host numpy arrays; with
+    ``allocate(key, count)`` (returning a 1-d array of at least ``count`` elements that supports
+    ``shape`` and slicing) the keys and the memory are the caller's: device fusion buffers keyed
+    by (runtime, device, dtype), pinned staging buffers keyed by (runtime, use, dtype).
+    """
 
-    def get(self, dtype: np.dtype, count: int) -> np.ndarray:
-        """A contiguous 1-d array of ``count`` elements of ``dtype`` (contents undefined)."""
-        buffer = self._buffers.get(dtype)
-        if buffer is None or buffer.size < count:
-            buffer = np.empty(max(count, 1), dtype=dtype)
-            self._buffers[dtype] = buffer
+    def __init__(self, allocate: Callable[[Any, int], Any] | None = None) -> None:
+        self._allocate = allocate or (lambda dtype, count: np.empty(count, dtype=dtype))
+        self._buffers: dict[Any, Any] = {}
+
+    def get(self, key: Any, count: int) -> Any:
+        """A contiguous 1-d array of ``count`` elements for ``key`` (contents undefined)."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < count:
+            buffer = self._buffers[key] = self._allocate(key, max(count, 1))
         return buffer[:count]
+
+    def clear(self) -> None:
+        """Drop every buffer (they are freed once no one else holds them)."""
+        self._buffers.clear()
 
 
 def pack(source: np.ndarray, target: np.ndarray, prescale: float) -> None:

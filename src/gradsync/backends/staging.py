@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import dtypes
 from ..device import DeviceRuntime
+from ..fusion import FusionBuffers
 from ..protocol import ReduceOp
 from .mpi import MpiBackend
 
@@ -28,14 +29,12 @@ class StagingBackend:
     def __init__(self, mpi: MpiBackend) -> None:
         self._mpi = mpi
         self._size = mpi.comm.Get_size()
-        self._pinned: dict[tuple[str, np.dtype], np.ndarray] = {}  # (use, dtype) -> pinned buffer
+        # Pinned host buffers, reused per (runtime, use, dtype), grown on demand.
+        self._pinned = FusionBuffers(lambda key, count: key[0].pinned(key[2], count))
 
     def _host(self, runtime: DeviceRuntime, use: str, dtype: np.dtype, count: int) -> np.ndarray:
-        """A pinned buffer of ``count`` elements, reused per (use, dtype), grown on demand."""
-        buffer = self._pinned.get((use, dtype))
-        if buffer is None or buffer.size < count:
-            buffer = self._pinned[(use, dtype)] = runtime.pinned(dtype, max(count, 1))
-        return buffer[:count]
+        """A pinned buffer of ``count`` elements for ``use`` ("reduce", "send", "receive")."""
+        return self._pinned.get((runtime, use, dtype), count)
 
     def _down(self, runtime: DeviceRuntime, stream: Any, source: Any, dtype: np.dtype,
               use: str) -> np.ndarray:
