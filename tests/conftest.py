@@ -1,4 +1,9 @@
-"""Test-suite wiring: this checkout's src/ first, and the ``torch`` marker.
+"""Test-suite wiring: this checkout's src/ first, the ``torch`` marker, and tests/parallel/.
+
+``tests/parallel/`` holds multi-rank tests that every rank of an MPI job runs together
+(``mpiexec -n N python -m pytest tests/parallel/test_x.py``; see its conftest). A plain pytest run
+in one process does not collect them: ``tests/test_parallel.py`` launches each file as such a job.
+They are collected when a launcher started this process, or when ``GRADSYNC_PARALLEL_TESTS=1``.
 
 A test that needs PyTorch (directly, or by launching a worker that imports it) carries
 ``@pytest.mark.torch``; where torch is not installed those tests skip and every other test runs.
@@ -27,6 +32,20 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "src"))  # this checkout's
 TORCH_INSTALLED = importlib.util.find_spec("torch") is not None
 WITHOUT_TORCH = os.environ.get("GRADSYNC_TEST_WITHOUT_TORCH") == "1"
 NO_TORCH_REASON = "needs PyTorch, which is not installed (pip install gradsync[torch])"
+PARALLEL = Path(__file__).parent / "parallel"
+# Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
+_LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def _under_a_launcher() -> bool:
+    return (os.environ.get("GRADSYNC_PARALLEL_TESTS") == "1"
+            or any(v in os.environ for v in _LAUNCHER_VARIABLES))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path == PARALLEL or PARALLEL in collection_path.parents:
+        return None if _under_a_launcher() else True
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

