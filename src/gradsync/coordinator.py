@@ -456,12 +456,12 @@ class Coordinator:
             elif response.kind == Kind.BROADCAST:
                 phases = self._broadcast(entries[0])
             elif response.kind == Kind.ALLGATHER and device:
-                done = self.device.allgather(entries[0], response.first_dims)
+                done = self.device.allgather(entries[0], response.first_dims[0])
                 phases = [("ENQUEUE_ALLGATHER", time.perf_counter_ns())]
             elif response.kind == Kind.ALLGATHER:
-                phases = self._allgather(entries[0], response.first_dims)
+                phases = self._allgather(entries[0], response.first_dims[0])
             elif response.kind == Kind.JOIN:
-                entries[0].result = self._world(response.first_dims[0])  # the rank that joined last
+                entries[0].result = self._world(response.last_joined)
                 self.joins += 1
             # BARRIER: negotiation itself proved that every rank arrived.
         except Exception as exc:

@@ -49,7 +49,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
         if size > threshold:
             groups.append([request])
             continue
-        key = request[3:4] + request[5:6] + request[7:9] + request[12:]  # dtype, op, scales, device
+        key = request.fusion_key()
         current = open_group.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(request)

@@ -187,12 +187,12 @@ class MessageTable:
                 allreduces.append(first)
             elif first.kind == Kind.ALLGATHER:
                 dims = tuple(0 if slot is None else slot.shape[0] for slot in slots)
-                responses.append(Response(first.kind, (name,), first_dims=dims))
+                responses.append(Response(first.kind, (name,), first_dims=(dims,)))
             elif first.kind == Kind.ALLTOALL:  # a joined rank sends no rows
                 matrix = tuple((0,) * self.size if slot is None else slot.splits for slot in slots)
                 responses.append(Response(first.kind, (name,), split_matrix=matrix))
             elif first.kind == Kind.JOIN:
-                responses.append(Response(first.kind, (name,), first_dims=(self.joined[-1],)))
+                responses.append(Response(first.kind, (name,), last_joined=self.joined[-1]))
                 self.joined = []
                 joined = set()
             else:
@@ -232,8 +232,8 @@ def _disagreement(slots: list[Request | None], world: tuple[int, ...]) -> str | 
     message names world ranks, also as root ranks."""
     present = [(world[rank], r) for rank, r in enumerate(slots) if r is not None]
     first = present[0][1]
-    signature = first[:2] + first[3:]
-    if first.kind not in _VARIABLE_FIRST_DIM and all(r[:2] + r[3:] == signature for _, r in present):
+    signature = first.signature()
+    if first.kind not in _VARIABLE_FIRST_DIM and all(r.signature() == signature for _, r in present):
         return None  # the common case: equal but for the rank
     kind = first.kind.name.lower()
     for field, word in _AGREED_FIELDS:

@@ -1,4 +1,4 @@
-"""CuPy arrays: their :class:`gradsync.arrays.ArrayAdapter` and :class:`gradsync.device.DeviceRuntime`.
+"""CuPy arrays: their :class:`gradsync.tensors.ArrayAdapter` and :class:`gradsync.device.DeviceRuntime`.
 
 Imported when gradsync first sees a ``cupy.ndarray``; ``import gradsync`` never imports CuPy.
 Streams and events are ``cupy.cuda.Stream`` and ``cupy.cuda.Event``; host copies use
@@ -16,7 +16,7 @@ import cupyx
 import numpy as np
 
 from .. import dtypes
-from ..arrays import TensorInfo
+from ..tensors import TensorInfo, register
 
 
 class CupyAdapter:
@@ -31,6 +31,13 @@ class CupyAdapter:
     def empty(self, like: cupy.ndarray, shape: tuple[int, ...]) -> cupy.ndarray:
         with like.device:
             return cupy.empty(shape, dtype=like.dtype)
+
+    def from_host(self, like: cupy.ndarray, array: np.ndarray) -> np.ndarray:
+        return array  # CuPy has no host arrays: small host results (alltoall's splits) stay numpy
+
+    def cast(self, x: cupy.ndarray, dtype: str) -> cupy.ndarray:
+        with x.device:
+            return x.astype(dtypes.NUMPY_DTYPES[dtype])
 
     def device_runtime(self, x: cupy.ndarray) -> CupyDevice:
         return DEVICE
@@ -136,3 +143,4 @@ class CupyDevice:
 
 ADAPTER = CupyAdapter()
 DEVICE = CupyDevice()
+register("cupy", ADAPTER)
