@@ -18,7 +18,7 @@ import pytest
 import fakegpu
 import gradsync
 from gradsync import CollectiveError, ReduceOp
-from gradsync.backends.nccl import accumulator as nccl_accumulator
+from gradsync.backends.nccl import traits as nccl_traits
 from gradsync.config import Config
 from gradsync.device import resolve_gpu_operations
 from mpi_launch import run_mpi
@@ -63,7 +63,8 @@ def test_gpu_operations_setting():
 def test_nccl_fusion_buffer_dtypes(dtype, average, expected):
     from gradsync import dtypes
 
-    assert nccl_accumulator(dtype, average) == dtypes.NUMPY_DTYPES[expected]
+    native = nccl_traits((2, 20, 0)).native
+    assert dtypes.accumulator(dtype, average, native) == dtypes.NUMPY_DTYPES[expected]
 
 
 @pytest.mark.torch
@@ -87,7 +88,8 @@ class FakeNccl:
     Its work runs on the stream given, like NCCL's kernels."""
 
     name = "fake NCCL"
-    accumulator = staticmethod(nccl_accumulator)
+    traits = nccl_traits((2, 20, 0))  # ncclAvg for floating dtypes
+    closed = None
 
     def __init__(self) -> None:
         self.groups: list[list[tuple]] = []
@@ -95,15 +97,13 @@ class FakeNccl:
         self.gate.set()
         self.entered = threading.Event()
         self.error: str | None = None
-        self.closed: list[bool] = []
+        self.closes: list[bool] = []  # the abort flag of each close()
 
     def allreduce(self, runtime, device, stream, buffers):
         assert runtime.current_stream(device) is stream, "NCCL work must go on the comm stream"
         self.entered.set()
         assert self.gate.wait(10)
         self.groups.append([(b.shape, dtype, op, logical) for b, dtype, op, logical in buffers])
-        # ncclAvg divides floating Averages itself; integer ones come back as sums.
-        return [op == ReduceOp.Average and dtype.kind == "f" for _, dtype, op, _ in buffers]
 
     def broadcast(self, runtime, device, stream, buffer, dtype, root):
         pass
@@ -115,7 +115,7 @@ class FakeNccl:
         return self.error
 
     def close(self, abort=False):
-        self.closed.append(abort)
+        self.closes.append(abort)
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_an_async_nccl_error_stops_gradsync_with_the_error(fake_nccl):
         time.sleep(0.01)
     with pytest.raises(CollectiveError, match="GPU collectives failed: remote process exited"):
         gradsync.allreduce_async_(fakegpu.array(np.ones(3, np.float32)), name="after")
-    assert fake_nccl.closed and fake_nccl.closed[0] is True, "the communicators were not aborted"
+    assert fake_nccl.closes and fake_nccl.closes[0] is True, "the communicators were not aborted"
 
 
 def test_allgather_and_broadcast_through_the_nccl_path(fake_nccl):
@@ -192,11 +192,11 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     gradsync.allreduce_(fakegpu.array(np.ones(2)), name="w")
     gradsync.shutdown()
     assert not [t for t in threading.enumerate() if t.name == "gradsync-device-watchdog"]
-    assert fake_nccl.closed == [False], "the communicators were not destroyed at shutdown"
+    assert fake_nccl.closes == [False], "the communicators were not destroyed at shutdown"
 
 
 # ---------------------------------------------------------------------------------------------------
-# The torch device runtime's pack/unpack math, on CPU tensors (the same code runs on CUDA tensors)
+# The torch device runtime's copy primitives, on CPU tensors (the same code runs on CUDA tensors)
 
 
 @pytest.mark.parametrize("dtype, buffer_dtype, prescale, scale, floor_divisor", [
@@ -205,10 +205,12 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     ("bool", "uint8", 1.0, 1.0, 1), ("int16", "int32", 1.0, 1.0, 1),
 ])
 @pytest.mark.torch
-def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype, prescale, scale,
-                                                            floor_divisor):
+def test_torch_copies_match_the_host_copies(dtype, buffer_dtype, prescale, scale, floor_divisor):
+    """Pack (copy with the prescale into a wider buffer) and unpack (floor-divide, copy with the
+    scale into a strided tensor) through torch's primitives give numpy's results bit for bit."""
     torch = pytest.importorskip("torch")
-    from gradsync import dtypes, fusion
+    from gradsync import dtypes
+    from gradsync.memory import HOST
     from gradsync.torch.array import TORCH
     from gradsync.torch.device import DEVICE, torch_dtype
 
@@ -220,13 +222,16 @@ def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype,
     host_source = values[:, ::2]
     buffer = torch.empty(6, dtype=torch_dtype(np_buffer))
     host_buffer = np.empty(6, np_buffer)
-    DEVICE.pack(source, buffer, prescale)
-    fusion.pack(host_source, host_buffer, prescale)
+    DEVICE.copy(source, buffer, prescale)
+    HOST.copy(host_source, host_buffer, prescale)
     np.testing.assert_array_equal(TORCH.host_view(buffer), host_buffer)
     out = torch.empty((3, 2), dtype=source.dtype)
     host_out = np.empty((3, 2), np_dtype)
-    DEVICE.unpack(buffer, out, scale, floor_divisor)
-    fusion.unpack(host_buffer.copy(), host_out, scale, floor_divisor)
+    if floor_divisor != 1:
+        DEVICE.floor_divide(buffer, floor_divisor)
+        HOST.floor_divide(host_buffer, floor_divisor)
+    DEVICE.copy(buffer, out, scale)
+    HOST.copy(host_buffer, host_out, scale)
     np.testing.assert_array_equal(TORCH.host_view(out), host_out)
 
 
@@ -265,15 +270,15 @@ def test_nccl_backend_calls():
     floats = fakegpu.array(np.zeros(5, np.float32))
     flags = fakegpu.array(np.zeros(3, np.uint8))
     ints = fakegpu.array(np.zeros(4, np.int64))
-    divided = backend.allreduce(device, 0, stream, [
+    # What a plan sends: ncclAvg for floats; an integer Average as Sum (the plan floor-divides).
+    backend.allreduce(device, 0, stream, [
         (floats, floats.dtype, ReduceOp.Average, False), (flags, flags.dtype, ReduceOp.Sum, True),
-        (ints, ints.dtype, ReduceOp.Average, False)])
-    assert divided == [True, False, False]  # ncclAvg for floats; the integer mean is the caller's
+        (ints, ints.dtype, ReduceOp.Sum, False)])
     pointer = device.pointer
     assert comm.calls == [
         ("allreduce", pointer(floats), pointer(floats), 5, "float32", ReduceOp.Average, id(stream)),
         ("allreduce", pointer(flags), pointer(flags), 3, "bool", ReduceOp.Sum, id(stream)),
-        ("allreduce", pointer(ints), pointer(ints), 4, "int64", ReduceOp.Average, id(stream))]
+        ("allreduce", pointer(ints), pointer(ints), 4, "int64", ReduceOp.Sum, id(stream))]
     comm.calls.clear()
     send = fakegpu.array(np.zeros(2, np.float64))
     recv = fakegpu.array(np.zeros(9, np.float64))

@@ -121,26 +121,6 @@ _BY_FIELD = {s.field: s for s in SETTINGS}
 MIN_FAILURE_TIMEOUT = 0.5  # seconds; below it the liveness periods derived from it become too short
 
 
-def injected_fault(environ: dict[str, str] | None = None) -> tuple[str, int, int] | None:
-    """The fault that ``GRADSYNC_TEST_FAULT`` asks to inject, for gradsync's own tests only.
-
-    ``GRADSYNC_TEST_FAULT=coordinator:<rank>:<cycle>`` makes the background coordinator of rank
-    ``<rank>`` raise ``RuntimeError`` at the start of its ``<cycle>``-th negotiation cycle (counted
-    from 1). Not a user setting: it is not in :data:`SETTINGS` and never needed outside tests.
-    Returns ``(where, rank, cycle)`` or None when unset.
-
-    Raises:
-        ValueError: the value does not have that form.
-    """
-    text = (os.environ if environ is None else environ).get("GRADSYNC_TEST_FAULT", "")
-    if not text:
-        return None
-    parts = text.split(":")
-    if len(parts) != 3 or parts[0] != "coordinator" or not (parts[1].isdigit() and parts[2].isdigit()):
-        raise ValueError(f"GRADSYNC_TEST_FAULT={text!r}: expected coordinator:<rank>:<cycle>")
-    return parts[0], int(parts[1]), int(parts[2])
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Resolved configuration of one ``gradsync.init()``; see :data:`SETTINGS` for meanings."""

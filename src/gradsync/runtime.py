@@ -127,6 +127,7 @@ class Runtime:
         from mpi4py import MPI
 
         from .coordinator import Coordinator
+        from .executors.device import GpuClaims
 
         self.config = config
         self.pid = os.getpid()
@@ -143,7 +144,9 @@ class Runtime:
         self.control = world.Dup()
         self.backend = self._data_backend(local, cross)
         self._unnamed: dict[tuple[int, str], int] = {}
-        self.coordinator = Coordinator(self.comm, config, backend=self.backend)
+        self.gpu_claims = GpuClaims()  # which process set drives NCCL on each GPU
+        self.coordinator = Coordinator(self.comm, config, backend=self.backend,
+                                       gpu_claims=self.gpu_claims)
         self.process_sets: dict[int, ProcessSetState] = {
             0: ProcessSetState(None, self.coordinator, self.comm)}
         self._next_set_id = 1
@@ -232,7 +235,8 @@ class Runtime:
         coordinator = None
         if member:
             coordinator = Coordinator(comm, self.config, backend=MpiBackend(comm),
-                                      world_ranks=list(process_set.ranks), process_set_id=ident)
+                                      world_ranks=list(process_set.ranks), process_set_id=ident,
+                                      gpu_claims=self.gpu_claims)
             coordinator.neighbours = self._coordinators
         process_set.process_set_id = ident
         self.process_sets[ident] = ProcessSetState(process_set, coordinator, comm)
