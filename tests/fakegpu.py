@@ -46,6 +46,11 @@ class FakeStream:
             what, operation = self._queue.get()
             operation()
             self.ops.append(what)
+            self._queue.task_done()
+
+    def idle(self) -> bool:
+        """Whether every operation enqueued so far has run."""
+        return self._queue.unfinished_tasks == 0
 
 
 class FakeEvent:

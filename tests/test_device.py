@@ -195,6 +195,71 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     assert fake_nccl.closes == [False], "the communicators were not destroyed at shutdown"
 
 
+def test_the_device_watchdog_binds_the_gpu_before_it_queries_events(fake_nccl):
+    """On CUDA a thread that queries an event without a current device gets a context on GPU 0
+    (about 0.5 GiB on every rank of an 8-GPU node)."""
+    fakegpu.DEVICE.unbound_queries = 0
+    tensor = fakegpu.array(np.ones(3, np.float32), device=1)
+    fakegpu.later(tensor, np.ones(3, np.float32), delay=0.2)  # the watchdog polls meanwhile
+    out = gradsync.allreduce(tensor, name="on1")
+    fakegpu.read(out)
+    time.sleep(0.1)
+    assert fakegpu.DEVICE.unbound_queries == 0
+
+
+def test_allgather_results_are_allocated_on_the_callers_stream(fake_nccl):
+    """With a caching allocator a result allocated on the coordinator's default stream could be
+    reused while the caller's stream still reads it."""
+    side = fakegpu.DEVICE.new_stream(0)
+    with fakegpu.DEVICE.on_stream(side, 0):
+        gathered = gradsync.allgather(fakegpu.array(np.arange(4.0).reshape(2, 2)), name="side")
+        np.testing.assert_array_equal(fakegpu.read(gathered), np.arange(4.0).reshape(2, 2))
+    assert gathered.stream is side
+
+
+def test_a_second_process_set_on_the_same_gpu_is_refused_with_nccl():
+    gradsync.init(gpu_operations="nccl")
+    try:
+        fake = FakeNccl()
+        gradsync.runtime.get().coordinator.device.backend = fake
+        gradsync.allreduce(fakegpu.array(np.ones(2, np.float32)), name="global")
+        pairs = gradsync.add_process_set([0])
+        with pytest.raises(ValueError, match=r"process set 0 already runs NCCL collectives on cuda:0"):
+            gradsync.allreduce_async(fakegpu.array(np.ones(2, np.float32)), name="set", process_set=pairs)
+    finally:
+        gradsync.shutdown()
+
+
+def test_a_pinned_buffer_grows_only_after_the_stream_is_done_with_the_old_one():
+    from gradsync.backends.staging import StagingBackend
+
+    class OneRankMpi:
+        comm = OneRank()
+
+        def allgather(self, send, recv, counts):
+            recv[:send.size] = send
+
+    device = fakegpu.DEVICE
+    stream = device.new_stream(0)
+    staging = StagingBackend(OneRankMpi())
+    pinned, idle_when_grown = device.pinned, []
+
+    def watched_pinned(dtype, count):
+        idle_when_grown.append(stream.idle())
+        return pinned(dtype, count)
+
+    device.pinned = watched_pinned
+    try:
+        with device.on_stream(stream, 0):
+            for count in (2, 8):  # the second grows both buffers
+                send, recv = fakegpu.array(np.ones(count)), fakegpu.array(np.zeros(count))
+                staging.allgather(device, 0, stream, send, recv, np.dtype(np.float64), [count])
+                stream.enqueue("slow", lambda: time.sleep(0.3))  # the copy back is still running
+    finally:
+        del device.pinned
+    assert idle_when_grown[2:] == [True, True], idle_when_grown
+
+
 # ---------------------------------------------------------------------------------------------------
 # The torch device runtime's copy primitives, on CPU tensors (the same code runs on CUDA tensors)
 

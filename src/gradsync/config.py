@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .errors import GradsyncError
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -185,3 +187,22 @@ def markdown_table() -> str:
     rows = ["| variable | unit | default | meaning |", "|---|---|---|---|"]
     rows += [f"| `{s.env}` | {s.unit} | `{s.default}` | {s.help} |" for s in SETTINGS]
     return "\n".join(rows)
+
+
+def check_shared(comm, config: Config) -> None:
+    """Check the settings that every rank of ``comm`` must share (each rank plans cached fusion by
+    itself; failure detection needs every rank's heartbeat). Collective over ``comm``.
+
+    Raises:
+        GradsyncError: they differ; the message lists each rank's values.
+    """
+    mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
+            config.rank_failure_timeout_seconds)
+    everyone = comm.allgather(mine)
+    if any(values != mine for values in everyone):
+        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
+                           f"rank_failure_timeout_seconds={f:g}" for r, (t, c, j, f) in enumerate(everyone))
+        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
+                            f"GRADSYNC_JOIN_DIVISOR and GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS must be the "
+                            f"same on every rank; got {listed}")
+

@@ -33,9 +33,9 @@ from collections.abc import Callable
 from . import joins, liveness
 from .autotune import Autotuner
 from .backends.mpi import MpiBackend
-from .config import Config
+from .config import Config, check_shared
 from .errors import CollectiveError, GradsyncError, RankFailureError, ShutdownError, StallError
-from .executors import Executed, Executor
+from .executors import Executed, Executor, batches
 from .executors.device import DeviceExecutor, GpuClaims
 from .executors.host import HostExecutor
 from .fusion import FusionPlan
@@ -43,7 +43,7 @@ from .handles import Handle
 from .negotiation import Negotiator
 from .protocol import CycleReply, Kind, Response
 from .queue import Entry, ErrorType, TensorQueue
-from .stall_inspector import StallClock, heartbeat_interval
+from .stall_inspector import StallClock, heartbeat_interval, pending_ages
 from .timeline import open_for, record_collective
 
 log = logging.getLogger("gradsync")
@@ -72,7 +72,7 @@ class Coordinator:
         self.neighbours: Callable[[], list[Coordinator]] = list
         self.lock = threading.Lock()  # held by the thread running a cycle
         self.queue = TensorQueue(self.world_rank)
-        _check_same_everywhere(comm, config)
+        check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
         self._join_divisor = config.join_divisor
@@ -195,10 +195,14 @@ class Coordinator:
         return self._carry_on(reply, device_failed)
 
     def _stall_due(self, now_ns: int) -> bool:
-        if self._stall_clock.check_time <= 0:
-            return False
-        oldest = min((ns for _, ns in self._waited_on()), default=None)
-        return self._stall_clock.due(None if oldest is None else oldest / 1e9, now_ns / 1e9)
+        """Whether this rank asks for a stall report in this cycle."""
+        return self._stall_clock.due_for(self._pending.values(), now_ns)
+
+    def _pending_ages(self) -> tuple[tuple[str, float, int | None], ...]:
+        """For a stall report: this set's pending collectives and, from a snapshot of their queues,
+        those in flight on this rank's other process sets."""
+        others = [(other.process_set_id, other.queue) for other in self.neighbours() if other is not self]
+        return pending_ages(self._pending.values(), others)
 
     def _carry_on(self, reply: CycleReply, device_failed: str | None) -> bool:
         """After a cycle: stop (False) on a GPU failure, a stall report that shuts down, or a rank
@@ -254,40 +258,12 @@ class Coordinator:
             return ""
         return f" (in process set {self.process_set_id}, world ranks {list(self.world_ranks)})"
 
-    def _waited_on(self):
-        """(name, submission time in ns) of the pending collectives a stall report is about; join()
-        waits for the other ranks by design, so it is not one of them."""
-        return ((name, e.submitted_ns) for name, e in self._pending.items()
-                if e.request.kind != Kind.JOIN)
-
-    def _pending_ages(self) -> tuple[tuple[str, float, int | None], ...]:
-        """For a stall report: (name, seconds waited, None) of this set's pending collectives and
-        (name, 0.0, set id) of those in flight on this rank's other process sets (a snapshot of
-        their queues), so that a name submitted to different sets by different ranks is reported."""
-        now = time.perf_counter_ns()
-        own = tuple((name, (now - ns) / 1e9, None) for name, ns in self._waited_on())
-        others = tuple((name, 0.0, other.process_set_id) for other in self.neighbours()
-                       if other is not self for name in other.queue.pending_names())
-        return own + others
-
     # ---- execution -------------------------------------------------------------------------
     def _execute_all(self, responses: tuple[Response, ...], replied_ns: int) -> bool:
-        """Run the cycle's responses in order; consecutive responses that an executor batches
-        (device allreduces: one NCCL group) run together. Every rank makes the same batches: ranks
-        agree on every request's kind and device. False once gradsync stopped meanwhile."""
-        batch: list[Response] = []
-        for response in responses:
-            if batch and not self._joins_batch(batch[-1], response):
-                if not self._carry_out(batch, replied_ns):
-                    return False
-                batch = []
-            batch.append(response)
-        return not batch or self._carry_out(batch, replied_ns)
-
-    def _joins_batch(self, previous: Response, response: Response) -> bool:
-        return (response.kind == previous.kind and response.error is None and previous.error is None
-                and self._on_device(response) and self._on_device(previous)
-                and response.kind in self.device.batched)
+        """Run the cycle's responses in order, in the batches of :func:`~gradsync.executors.batches`
+        (every rank makes the same ones); False once gradsync stopped meanwhile."""
+        return all(self._carry_out(batch, replied_ns)
+                   for batch in batches(responses, self._on_device, self.device.batched))
 
     def _on_device(self, response: Response) -> bool:
         entry = self._pending.get(response.names[0])
@@ -299,7 +275,7 @@ class Coordinator:
         has stopped (the watchdog's verdict): then no further collective may start."""
         if self.queue.closed:
             return False
-        self.busy = (time.monotonic(), _Described(responses[0]))
+        self.busy = (time.monotonic(), liveness.Described(responses[0]))
         try:
             self._execute(responses, replied_ns)
         finally:
@@ -389,30 +365,3 @@ class Coordinator:
         if error is not exc:
             raise exc
 
-
-def _check_same_everywhere(comm, config: Config) -> None:
-    """Settings that every rank must share (each rank plans cached fusion by itself)."""
-    mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
-            config.rank_failure_timeout_seconds)
-    everyone = comm.allgather(mine)
-    if any(values != mine for values in everyone):
-        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
-                           f"rank_failure_timeout_seconds={f:g}" for r, (t, c, j, f) in enumerate(everyone))
-        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
-                            f"GRADSYNC_JOIN_DIVISOR and GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS must be the "
-                            f"same on every rank; got {listed}")
-
-
-class _Described:
-    """A response, described in words only when a failure report needs it (the hot path stores it
-    as is)."""
-
-    __slots__ = ("response",)
-
-    def __init__(self, response: Response) -> None:
-        self.response = response
-
-    def __str__(self) -> str:
-        names = ", ".join(repr(n) for n in self.response.names[:3])
-        more = f" and {len(self.response.names) - 3} more" if len(self.response.names) > 3 else ""
-        return f"{self.response.kind.name.lower()} {names}{more}"

@@ -38,6 +38,8 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
+from .protocol import Response
+
 log = logging.getLogger("gradsync")
 
 _BEACON, _LOST = 1, 2  # tags on the watchdog's communicator
@@ -227,3 +229,18 @@ def process_failure_reason(lost: tuple[int, ...], world: Callable[[int], int],
            else "another rank (MPI did not say which)")
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"{who} failed: MPI reported a process failure ({first})"
+
+
+class Described:
+    """A response, described in words only when a verdict needs it (the coordinator's hot path
+    stores it in ``busy`` as it is)."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+    def __str__(self) -> str:
+        names = ", ".join(repr(n) for n in self.response.names[:3])
+        more = f" and {len(self.response.names) - 3} more" if len(self.response.names) > 3 else ""
+        return f"{self.response.kind.name.lower()} {names}{more}"

@@ -16,6 +16,7 @@ or packed, the scales and the divisor): they allocate buffers and move them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from ..fusion import FusionPlan
@@ -43,3 +44,20 @@ class Executor(Protocol):
 
     def run(self, plans: list[FusionPlan]) -> Executed:
         """Carry out ``plans`` (one, or a batch of one kind), writing every result into its entry."""
+
+
+def batches(responses: Iterable[Response], on_device: Callable[[Response], bool],
+            batched: frozenset[Kind]) -> list[list[Response]]:
+    """``responses`` in order, in runs to execute together: consecutive device responses of a kind
+    in ``batched`` (device allreduces: one NCCL group) form one run, any other response is alone.
+    Every rank makes the same runs: ranks agree on every request's kind and device."""
+    runs: list[list[Response]] = []
+    for response in responses:
+        previous = runs[-1][-1] if runs else None
+        if (previous is not None and response.kind == previous.kind and response.kind in batched
+                and response.error is None and previous.error is None
+                and on_device(previous) and on_device(response)):
+            runs[-1].append(response)
+        else:
+            runs.append([response])
+    return runs
