@@ -55,6 +55,8 @@ class Row:
     nonzero: bool = False  # the job must exit non-zero
     usable: bool = False  # the issue demands that the job stays usable afterwards
     event: str = "ERROR"  # what "had its error" means here: ERROR, RESULT or WARN lines
+    flags: tuple[str, ...] | None = None  # launcher flags instead of the default ones
+    needs: str = ""  # the MPI flavour the row needs ("openmpi"); elsewhere it is skipped
 
 
 def _rows() -> list[Row]:
@@ -83,6 +85,10 @@ def _rows() -> list[Row]:
             ("exit", "1", "data"), dies=True, nonzero=True),
         Row("3.set", "3 rank failure", "rank 2 os._exit(3) while the set [1, 2] and the global set wait", 3,
             ("exit", "2", "set"), dies=True, nonzero=True),
+        Row("3.ulfm", "3 rank failure", "rank 1 os._exit(3) while rank 0 waits, Open MPI with ULFM and "
+            "detection off (MPI_ERR_PROC_FAILED)", 2, ("exit", "1", "pending"), dies=True, nonzero=True,
+            flags=("--with-ft", "ulfm"), needs="openmpi",
+            env={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": "0"}),
         Row("3.user_exception", "3 rank failure", "rank 1 raises ValueError in user code; rank 0 in its step",
             2, ("failure.user_exception",), dies=False, nonzero=True),
         Row("4.coordinator", "4 coordinator error", "rank 1's coordinator raises at cycle 5 (the worker "
@@ -128,7 +134,9 @@ ROWS = _rows()
 def command(row: Row) -> tuple[list[str], list[str]]:
     """The job's command line, and the launcher flags shown in the table."""
     flags = []
-    if row.dies:
+    if row.flags is not None:
+        flags = list(row.flags)
+    elif row.dies:
         flags = ["--enable-recovery"] if flavour() == "openmpi" else ["-disable-auto-cleanup"]
     script = RANK_DIES if row.dies else FAULT_CASE
     program = [sys.executable, str(script), *row.args]
@@ -224,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table_line(["---"] * len(HEADER)))
     failed = []
     for row in rows:
+        if row.needs and row.needs != flavour():
+            print(table_line([f"{row.item} ({row.id})", row.scenario, str(row.ranks), "—",
+                              f"skipped: needs {row.needs}", "—", "—", "—", "—"]), flush=True)
+            continue
         status, output = run(row)
         cells, ok = summarise(row, status, output)
         flags = " ".join(command(row)[1]) + (" + `sh -c '…; sleep 300'`" if row.hide_death else "")

@@ -356,8 +356,9 @@ def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async_`: reduces every tensor in place, returns the list."""
-    return synchronize(grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
+                                      process_set)
+    return synchronize(handle)
 
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,

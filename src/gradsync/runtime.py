@@ -428,20 +428,24 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """Rank among the processes on this host (shared-memory node): use it to pick the GPU."""
+    """Rank among the processes on this host (shared-memory node), 0 .. local_size()-1: use it to
+    pick the GPU (``torch.cuda.set_device(gradsync.local_rank())``). Raises NotInitializedError
+    before init()."""
     return get().local_rank
 
 
 def local_size() -> int:
-    """Number of processes on this host."""
+    """Number of processes on this host. Raises NotInitializedError before init()."""
     return get().local_size
 
 
 def cross_rank() -> int:
-    """Rank of this host among the hosts (the rank among processes of the same local_rank)."""
+    """Rank of this host among the hosts: the rank among the processes of the same local_rank(),
+    0 .. cross_size()-1. Raises NotInitializedError before init()."""
     return get().cross_rank
 
 
 def cross_size() -> int:
-    """Number of hosts (processes with the same local_rank across the job)."""
+    """Number of hosts (processes with the same local_rank across the job). Raises
+    NotInitializedError before init()."""
     return get().cross_size

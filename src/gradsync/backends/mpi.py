@@ -12,7 +12,7 @@ Large counts: an MPI call takes at most ``2**31 - 1`` elements (a C int count) a
 displacements. Open MPI 5 refuses more with ``MPI_ERR_ARG`` even where mpi4py could pass a large
 count (MPICH takes them), so every call is split where a count or a displacement would exceed
 :attr:`MpiBackend.max_count`: allreduce and broadcast in chunks, allgather as one chunked broadcast
-per rank, reducescatter as one chunked reduce per rank, alltoall as chunked pairwise exchanges.
+per rank, reducescatter as one chunked reduce per rank, alltoall as chunked point-to-point messages.
 Every rank splits alike: the decision depends only on the negotiated counts.
 """
 
@@ -147,27 +147,22 @@ class MpiBackend:
                  receive_counts: list[int]) -> None:
         """MPI_Alltoallv of bytes: ``send_counts[r]`` bytes of ``send`` go to rank r, in rank order;
         ``receive`` gets ``receive_counts[r]`` bytes from each rank r, in rank order. Past
-        :attr:`max_count` bytes in all: pairwise MPI_Sendrecv in chunks (:meth:`_exchange`)."""
+        :attr:`max_count` bytes in all: point-to-point messages of at most that many bytes."""
         send, receive = _bytes(send), _bytes(receive)
         if max(sum(send_counts), sum(receive_counts)) <= self.max_count:
             self.comm.Alltoallv([send, (send_counts, _displacements(send_counts)), MPI.BYTE],
                                 [receive, (receive_counts, _displacements(receive_counts)), MPI.BYTE])
             return
-        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        size = self.comm.Get_size()
         sent, got = _displacements(send_counts), _displacements(receive_counts)
-        for shift in range(size):  # step s: send to rank + s, receive from rank - s
-            to, source = (rank + shift) % size, (rank - shift) % size
-            self._exchange(send[sent[to]:sent[to] + send_counts[to]], to,
-                           receive[got[source]:got[source] + receive_counts[source]], source)
-
-    def _exchange(self, send: np.ndarray, to: int, receive: np.ndarray, source: int) -> None:
-        """Send ``send`` to ``to`` while receiving ``receive`` from ``source``, in chunks of at most
-        :attr:`max_count` bytes; both sides count the same chunks of each message."""
-        limit = self.max_count
-        rounds = max(-(-send.shape[0] // limit), -(-receive.shape[0] // limit), 1)
-        for i in range(rounds):
-            self.comm.Sendrecv(send[i * limit:(i + 1) * limit], dest=to,
-                               recvbuf=receive[i * limit:(i + 1) * limit], source=source)
+        requests = []  # one message per chunk: both sides count the chunks of a message alike
+        for peer in range(size):
+            part = receive[got[peer]:got[peer] + receive_counts[peer]]
+            requests += [self.comm.Irecv(c, source=peer, tag=i) for i, c in enumerate(self._chunks(part))]
+        for peer in range(size):
+            part = send[sent[peer]:sent[peer] + send_counts[peer]]
+            requests += [self.comm.Isend(c, dest=peer, tag=i) for i, c in enumerate(self._chunks(part))]
+        MPI.Request.Waitall(requests)
 
     def close(self) -> None:
         """Free the topology communicators this backend owns (after the coordinator stopped)."""
