@@ -176,7 +176,8 @@ def test_under_ulfm_a_process_failure_names_the_lost_rank_not_this_one():
     must be the RankFailureError naming the lost rank, not "this rank's coordinator failed". Rank
     failure detection is off here, so only MPI can report the loss."""
     _needs_ulfm()
-    rc, out, died, errors = run_fault(3, "exit", 2, "pending", flags=ULFM,
+    # SIGKILL: a non-zero exit would make Open MPI's launcher end the whole job instead.
+    rc, out, died, errors = run_fault(3, "kill", 2, "pending", flags=ULFM,
                                       env={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": "0"})
     assert died is not None and sorted(errors) == [0, 1], out
     for rank in (0, 1):
