@@ -165,16 +165,25 @@ def test_fused_responses_of_one_cycle_go_in_one_group(fake_nccl):
     np.testing.assert_array_equal(fakegpu.read(ints), [7, -7, 3])  # a world of one: the mean is itself
 
 
-def test_an_async_nccl_error_stops_gradsync_with_the_error(fake_nccl):
+@pytest.mark.parametrize("error, raised", [
+    ("internal error - please report this issue to the NCCL developers (ncclResult_t 3)",
+     CollectiveError),
+    ("remote process exited or there was a network error (ncclResult_t 6)", gradsync.RankFailureError),
+])
+def test_an_async_nccl_error_stops_gradsync_with_the_error(fake_nccl, error, raised):
+    """A peer that NCCL lost is a rank failure (RankFailureError); any other error a CollectiveError."""
+    from gradsync.backends.nccl import NcclBackend
+
+    fake_nccl.peer_failed = NcclBackend.peer_failed
     tensor = fakegpu.array(np.ones(3, np.float32))
     fakegpu.later(tensor, np.ones(3, np.float32), delay=5.0)  # device work that never finishes in time
     gradsync.synchronize(gradsync.allreduce_async_(tensor, name="stuck"))
-    fake_nccl.error = "remote process exited or there was a network error (ncclResult_t 6)"
+    fake_nccl.error = error
     deadline = time.monotonic() + 10
     coordinator = gradsync.runtime.get().coordinator
     while coordinator.queue.closed_error is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    with pytest.raises(CollectiveError, match="GPU collectives failed: remote process exited"):
+    with pytest.raises(raised, match=f"GPU collectives failed: {error.split(' ')[0]}"):
         gradsync.allreduce_async_(fakegpu.array(np.ones(3, np.float32)), name="after")
     assert fake_nccl.closes and fake_nccl.closes[0] is True, "the communicators were not aborted"
 
@@ -315,6 +324,12 @@ class RecordingComm:
     def broadcast(self, send, recv, count, dtype, root, stream):
         self.calls.append(("broadcast", send, recv, count, dtype, root, stream))
 
+    def abort(self):
+        self.calls.append(("abort",))
+
+    def destroy(self):
+        self.calls.append(("destroy",))
+
 
 class OneRank:
     def Get_rank(self):
@@ -353,3 +368,27 @@ def test_nccl_backend_calls():
         ("broadcast", base, base, 4, "int64", 0, id(stream)),
         ("broadcast", pointer(send), base + 4 * 8, 2, "int64", 1, id(stream)),
         ("broadcast", base + 6 * 8, base + 6 * 8, 3, "int64", 2, id(stream))]
+
+
+@pytest.mark.skipif(not gradsync.nccl_built(), reason="no NCCL library")
+def test_an_aborted_nccl_backend_refuses_work_and_never_makes_a_new_communicator():
+    """After the watchdog's abort, a later device batch of the same cycle must not create a new
+    communicator: its unique-id broadcast would wait for ranks that are not in it."""
+    from gradsync.backends.nccl import NcclBackend
+    from gradsync.errors import NcclError
+
+    class CountingRank(OneRank):
+        broadcasts = 0
+
+        def bcast(self, value, root):
+            CountingRank.broadcasts += 1
+            return value
+
+    backend = NcclBackend(CountingRank())
+    backend._comms[0] = RecordingComm()
+    backend.close(abort=True)
+    device = fakegpu.DEVICE
+    buffer = fakegpu.array(np.zeros(3, np.float32))
+    with pytest.raises(NcclError, match="the NCCL communicators were aborted after an error"):
+        backend.allreduce(device, 0, device.new_stream(0), [(buffer, buffer.dtype, ReduceOp.Sum, False)])
+    assert CountingRank.broadcasts == 0

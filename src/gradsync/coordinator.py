@@ -207,8 +207,8 @@ class Coordinator:
     def _carry_on(self, reply: CycleReply, device_failed: str | None) -> bool:
         """After a cycle: stop (False) on a GPU failure, a stall report that shuts down, or a rank
         that asked to shut down; the reply is the same on every rank, so they stop together."""
-        if device_failed:
-            self._stop(CollectiveError, device_failed)
+        if device_failed:  # a peer NCCL lost is a rank failure, whose rank NCCL does not name
+            self._stop(RankFailureError if self.device.peer_failed else CollectiveError, device_failed)
         elif reply.stall_error is not None:
             self._stop(StallError, reply.stall_error + self._set_ranks_note())
         elif reply.shutdown_ranks:

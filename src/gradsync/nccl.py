@@ -48,6 +48,8 @@ LIBRARY_NAME = "libnccl.so.2"
 #: pip distributions that ship libnccl.so.2, in the order they are looked at.
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
 UNIQUE_ID_BYTES = 128
+#: ncclRemoteError: a peer exited or its network failed.
+REMOTE_ERROR = 6
 
 #: NCCL version that added ncclAvg and ncclBfloat16.
 _AVG_AND_BF16 = (2, 10, 0)

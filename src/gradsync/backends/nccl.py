@@ -126,6 +126,12 @@ class NcclBackend:
                     return f"NCCL communicator on device {device}: {error}"
         return None
 
+    @staticmethod
+    def peer_failed(error: str) -> bool:
+        """Whether the asynchronous ``error`` says a peer failed (ncclRemoteError: "remote process
+        exited or there was a network error"); NCCL does not say which rank."""
+        return f"(ncclResult_t {nccl.REMOTE_ERROR})" in error
+
     def close(self, abort: bool = False) -> None:
         """Destroy every communicator (ncclCommDestroy), or abort them (ncclCommAbort: after an
         error, without waiting for their work); from then on every call raises. Any thread."""

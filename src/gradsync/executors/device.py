@@ -106,6 +106,11 @@ class DeviceExecutor:
         """The asynchronous error the watchdog found (the device has failed), or None."""
         return self._watchdog.error if self._watchdog is not None else None
 
+    @property
+    def peer_failed(self) -> bool:
+        """Whether :attr:`error` says that a peer failed (NCCL's remote error)."""
+        return self._watchdog is not None and self._watchdog.peer_failed
+
     # ---- set-up ------------------------------------------------------------------------------
     def check_device(self, runtime: DeviceRuntime, device: int) -> str | None:
         """Why this rank may not submit a tensor on ``device`` (called before it is queued), or None.

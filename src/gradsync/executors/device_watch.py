@@ -69,6 +69,7 @@ class DeviceWatchdog:
         self._on_error = on_error
         self._label = label
         self.error: str | None = None  # written once, by this thread
+        self.peer_failed = False  # the error says a peer failed (set before ``error``)
         self._outstanding: collections.deque[Outstanding] = collections.deque()
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -119,6 +120,7 @@ class DeviceWatchdog:
             self._timeline.span(row, phase, item.clock.ns(start), item.clock.ns(end))
 
     def _fail(self, error: str) -> None:
+        self.peer_failed = getattr(self._backend, "peer_failed", lambda _: False)(error)
         self.error = f"GPU collectives failed: {error}"
         log.error("gradsync: %s: %s; aborting the NCCL communicators", self._label, self.error)
         try:
