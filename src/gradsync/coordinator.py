@@ -163,7 +163,8 @@ class Coordinator:
             crashed = True
             self._crashed(exc)
         finally:
-            self.device.close(abort=crashed)  # after an error NCCL's pending work may never end
+            # After an error or a lost rank, NCCL's pending work may never end: abort, do not wait.
+            self.device.close(abort=crashed or self.failure is not None)
             if self.timeline is not None:
                 self.timeline.close()
 
@@ -228,6 +229,8 @@ class Coordinator:
         lost = liveness.process_failure(exc, self.comm)
         if lost is not None:  # MPI itself reported a failed process (ULFM): that rank, not this one
             reason = liveness.process_failure_reason(lost, self._world, exc)
+            if self._watchdog is not None:
+                self._watchdog.announce(lost, reason)
             self._lost(lost, reason)
             return
         log.exception("gradsync: rank %d: coordinator failed", self.world_rank)
