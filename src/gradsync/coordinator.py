@@ -28,7 +28,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from . import joins, liveness
 from .autotune import Autotuner
@@ -334,11 +334,11 @@ class Coordinator:
             divisor = response.contributors  # Average over the ranks that had not joined
         return self._executor_for(entries).plan(response, entries, divisor)
 
-    def _executor_for(self, entries: list[Entry]) -> Executor:
+    def _executor_for(self, entries: Sequence[Entry]) -> Executor:
         return self.device if entries and entries[0].runtime is not None else self.host
 
     def _executor(self, plan: FusionPlan) -> Executor:
-        return self._executor_for(list(plan.entries))
+        return self._executor_for(plan.entries)
 
     def _completed(self, response: Response, entries: list[Entry], names: list[str],
                    executed: Executed) -> None:

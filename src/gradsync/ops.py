@@ -13,10 +13,9 @@ tensors.
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -97,8 +96,7 @@ def _entry(request: Request, source: Any, target: Any, result: Any, device: Devi
     return entry
 
 
-@dataclasses.dataclass(frozen=True)
-class _Prepared:
+class _Prepared(NamedTuple):
     """One tensor, checked and ready to queue: its process set's coordinator, its request (named
     when it is queued), the Entry's source, target and result, its device runtime (None in host
     memory) and the allocator of its result (allgather, alltoall)."""

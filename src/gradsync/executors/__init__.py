@@ -15,16 +15,14 @@ or packed, the scales and the divisor): they allocate buffers and move them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..fusion import FusionPlan
 from ..protocol import Kind, Response
 
 
-@dataclasses.dataclass(frozen=True)
-class Executed:
+class Executed(NamedTuple):
     """What running plans did: the phases for the timeline, (name, end in perf_counter_ns) each
     starting where the previous ended; and for device work the completion every handle carries,
     (device runtime, device, done event), which :meth:`gradsync.Handle.wait` waits on."""
