@@ -86,7 +86,8 @@ def _rows() -> list[Row]:
         Row("3.set", "3 rank failure", "rank 2 os._exit(3) while the set [1, 2] and the global set wait", 3,
             ("exit", "2", "set"), dies=True, nonzero=True),
         Row("3.ulfm", "3 rank failure", "rank 1 SIGKILLed while rank 0 waits, Open MPI with ULFM and "
-            "detection off (MPI_ERR_PROC_FAILED)", 2, ("kill", "1", "pending"), dies=True, nonzero=True,
+            "detection off (MPI_ERR_PROC_FAILED; Open MPI's launcher then exits 0 even after the "
+            "survivor's MPI_Abort)", 2, ("kill", "1", "pending"), dies=True,
             flags=("--with-ft", "ulfm"), needs="openmpi",
             env={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": "0"}),
         Row("3.user_exception", "3 rank failure", "rank 1 raises ValueError in user code; rank 0 in its step",
