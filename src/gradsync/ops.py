@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes, runtime
 from .arrays import adapter_for
-from .coordinator import Coordinator, Entry
 from .device import DeviceRuntime, device_kind
 from .fusion import split_rows
 from .handles import GroupHandle, Handle
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
+
+if TYPE_CHECKING:  # the coordinator imports mpi4py.MPI, which `import gradsync` must not (it would
+    from .coordinator import Coordinator, Entry  # initialise MPI before init() checks the launch)
 
 _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
@@ -82,6 +84,8 @@ def _entry(request: Request, source: Any, target: Any, result: Any, device: Devi
            allocate=None) -> Entry:
     """The coordinator's entry; for a device tensor it records, on the caller's current stream, the
     event after which the tensor's data is ready (the coordinator's stream waits for it)."""
+    from .coordinator import Entry
+
     entry = Entry(request, Handle(request.name), source, target, result, allocate)
     if device is not None:
         entry.runtime = device
@@ -576,7 +580,7 @@ def _control(kind: Kind, name: str | None, process_set: ProcessSet) -> Any:
     name = _name(coordinator, name, kind.name.lower())
     request = Request(name, kind, coordinator.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
-    return synchronize(coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+    return synchronize(coordinator.submit(_entry(request, empty, empty, None, None)))
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
