@@ -25,6 +25,7 @@ from .compression import Compression, Compressor
 from .errors import (
     CollectiveError,
     GradsyncError,
+    LaunchError,
     NotInitializedError,
     RankFailureError,
     ShutdownError,
@@ -99,7 +100,7 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle", "GroupHandle",
     "nccl_built", "nccl_version", "Compression", "Compressor",
-    "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
-    "RankFailureError",
+    "GradsyncError", "NotInitializedError", "LaunchError", "CollectiveError", "ShutdownError",
+    "StallError", "RankFailureError",
     *_TORCH_NAMES,
 ]

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from types import ModuleType
 
-from .errors import GradsyncError
+from .errors import GradsyncError, LaunchError
 from .libraries import loaded_library
 
 log = logging.getLogger("gradsync")
@@ -34,13 +34,6 @@ log = logging.getLogger("gradsync")
 PMIX, PMI = "pmix", "pmi"
 #: The file names of MPI libraries (libmpi.so.12 of MPICH, libmpi.so.40 of Open MPI, libmpich.so).
 LIBMPI = r"/lib(mpi|mpich)[^/]*\.so[.\d]*$"
-
-
-class LaunchError(GradsyncError):
-    """The launcher and the MPI library cannot work together; found before ``MPI_Init``.
-
-    The message names the launcher, the MPI library (and the file mpi4py loaded it from) and the fix.
-    """
 
 
 @dataclasses.dataclass(frozen=True)

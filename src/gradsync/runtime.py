@@ -179,9 +179,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | None = None, **setti
     Raises:
         TypeError: an unknown setting.
         ValueError: a setting that does not parse.
-        gradsync.launch.LaunchError: the launcher and the MPI library mpi4py loads cannot work
-            together, found before ``MPI_Init`` (see :func:`gradsync.launch.diagnose`; the message
-            names both and the fix).
+        LaunchError: the launcher and the MPI library mpi4py loads cannot work together, found
+            before ``MPI_Init`` (see :func:`gradsync.launch.diagnose`; the message names both and
+            the fix).
         GradsyncError: MPI does not provide MPI_THREAD_MULTIPLE, or the launcher started N
             processes but MPI sees a world of 1 (a launcher/MPI mismatch; the message says the fix).
     """
