@@ -24,7 +24,7 @@ from gradsync.launch import (
     parse_library_version,
 )
 from gradsync.libraries import loaded_library
-from mpi_launch import REPO
+from mpi_launch import REPO, flavour, run_mpi
 
 OPEN_MPI = MpiLibrary("Open MPI", "5.0.11", frozenset({PMIX}), "/ompi/lib/libmpi.so.40")
 MPICH = MpiLibrary("MPICH", "5.0.2", frozenset({PMI}), "/mpich/lib/libmpi.so.12")
@@ -241,3 +241,12 @@ def test_rank_0_logs_the_start_up_line_visible_by_default():
         result.stderr
     quiet = run_python("import gradsync\ngradsync.init()\n", GRADSYNC_LOG_LEVEL="error")
     assert quiet.returncode == 0 and "gradsync: 1 rank" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.mpi
+def test_under_mpiexec_rank_0_alone_logs_the_start_up_line():
+    result = run_mpi("init_only.py", 2, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if "gradsync: 2 ranks on 1 host" in line]
+    assert len(lines) == 1 and lines[0].startswith("[gradsync rank 0] INFO: "), result.stdout
+    assert f"MPI: {'Open MPI' if flavour() == 'openmpi' else 'MPICH'} " in lines[0], lines[0]
+    assert "no launcher" not in result.stdout
