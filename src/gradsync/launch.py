@@ -93,30 +93,31 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
 
     Recognises Open MPI's ``mpirun`` (OMPI_COMM_WORLD_SIZE), Hydra's ``mpiexec`` (MPICH, Intel
     MPI: PMI_SIZE with MPI_LOCALNRANKS), and SLURM ``srun`` job steps (SLURM_STEP_NUM_TASKS) with
-    the PMI plugin it used (pmi2: PMI_SIZE, pmix: PMIX_RANK, or none). A SLURM batch script
-    itself (SLURM_NTASKS without a job step) counts as a plain process: only srun starts tasks.
-    Returns ``Launcher("none", None)`` for a plain process. Never raises.
+    the PMI plugin it used (pmi2: PMI_SIZE, pmix: PMIX_RANK, or none), and any other PMIx launcher
+    (PMIX_RANK alone). A SLURM batch script itself (SLURM_NTASKS without a job step) counts as a
+    plain process: only srun starts tasks. Returns ``Launcher("none", None)`` for a plain process.
+    Never raises.
     """
     env = os.environ if environ is None else environ
-    found = dict(interfaces=_interfaces(env))
+    offers = _interfaces(env)
     if "OMPI_COMM_WORLD_SIZE" in env:
         return Launcher("Open MPI mpirun/mpiexec", _int_or_none(env["OMPI_COMM_WORLD_SIZE"]),
-                        "mpiexec", _int_or_none(env.get("OMPI_COMM_WORLD_RANK")), **found)
+                        "mpiexec", _int_or_none(env.get("OMPI_COMM_WORLD_RANK")), offers)
     in_srun_step = "SLURM_STEP_NUM_TASKS" in env
     if "PMI_SIZE" in env:
         size, rank = _int_or_none(env["PMI_SIZE"]), _int_or_none(env.get("PMI_RANK"))
         # Hydra also runs under SLURM (its proxies are srun tasks); it sets MPI_LOCALNRANKS, srun not.
         if in_srun_step and "MPI_LOCALNRANKS" not in env:
-            return Launcher("srun --mpi=pmi2", size, "srun", rank, **found)
-        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", size, "mpiexec", rank, **found)
+            return Launcher("srun --mpi=pmi2", size, "srun", rank, offers)
+        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", size, "mpiexec", rank, offers)
     if in_srun_step:
         plugin = "--mpi=pmix" if "PMIX_RANK" in env else "without a PMI plugin (--mpi=none)"
         return Launcher(f"srun {plugin}", _int_or_none(env["SLURM_STEP_NUM_TASKS"]), "srun",
-                        _int_or_none(env.get("SLURM_PROCID")), **found)
-    if "PMIX_RANK" in env:
+                        _int_or_none(env.get("SLURM_PROCID")), offers)
+    if "PMIX_RANK" in env:  # another PMIx launcher (PRRTE's prterun, Flux, ...): size unknown
         return Launcher("a PMIx launcher (PMIX_NAMESPACE)", None, "mpiexec",
-                        _int_or_none(env["PMIX_RANK"]), **found)
-    return Launcher("none", None, interfaces=found["interfaces"])
+                        _int_or_none(env["PMIX_RANK"]), offers)
+    return Launcher("none", None, interfaces=offers)
 
 
 # ---- the MPI library -------------------------------------------------------------------------------
