@@ -100,8 +100,9 @@ _DLPACK = DLPackAdapter()
 
 def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
     """The adapter for ``x``'s framework: numpy, torch (``gradsync.torch.array``), CuPy
-    (``gradsync.cupy``, imported on first sight), an array type that names its own adapter in a
-    ``__gradsync_adapter__`` class attribute, or any DLPack/array-API array.
+    (``gradsync.cupy``), JAX (``gradsync.jax.array``; each imported on first sight), an array
+    type that names its own adapter in a ``__gradsync_adapter__`` class attribute, or any
+    DLPack/array-API array.
 
     Raises:
         TypeError: ``x`` is not an array gradsync can read (message names the tensor ``name``).
@@ -113,6 +114,8 @@ def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
         return importlib.import_module("gradsync.torch.array").TORCH
     if module == "cupy":
         return importlib.import_module("gradsync.cupy").ADAPTER
+    if module in ("jax", "jaxlib"):  # jax.Array (jaxlib's ArrayImpl) and jax's tracers
+        return importlib.import_module("gradsync.jax.array").ADAPTER
     own = getattr(type(x), "__gradsync_adapter__", None)
     if own is not None:
         return own
