@@ -41,26 +41,23 @@ def test_result_buffers_are_aligned_for_xla(shape):
     assert buffer.size == 0 or buffer.ctypes.data % array.ALIGNMENT == 0  # no data, no address
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "int16", "int8", "uint8", "bool"])
-def test_an_aligned_result_becomes_a_jax_array_without_a_copy(dtype):
-    buffer = array.aligned_empty((3, 7), np.dtype(dtype))
-    buffer[...] = np.arange(21).reshape(3, 7).astype(dtype)
-    result = array.to_jax(buffer, None)
-    assert result.unsafe_buffer_pointer() == buffer.ctypes.data, "the result was copied"
-    np.testing.assert_array_equal(np.asarray(result), buffer)
-
-
-def test_a_bfloat16_result_is_copied_once_with_its_values():
-    buffer = array.aligned_empty((5,), jnp.bfloat16)
-    buffer[...] = np.linspace(0, 1, 5)
-    result = array.to_jax(buffer, None)
-    assert result.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(result), buffer)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "int16", "int8", "uint8",
+                                   "bool"])
+def test_aligned_results_become_jax_arrays_without_a_copy(dtype):
+    dtype = jnp.dtype(dtype)
+    buffers = [array.aligned_empty(shape, dtype) for shape in [(3, 7), (), (1000,)]]
+    for buffer in buffers:
+        buffer[...] = np.arange(buffer.size).reshape(buffer.shape).astype(dtype)
+    results = array.to_jax(buffers, [None] * len(buffers))
+    for result, buffer in zip(results, buffers):
+        assert result.dtype == dtype
+        assert result.unsafe_buffer_pointer() == buffer.ctypes.data, "the result was copied"
+        np.testing.assert_array_equal(np.asarray(result), buffer)
 
 
 def test_a_result_lands_on_the_device_asked_for():
     device = jax.devices()[-1]
-    result = array.to_jax(array.aligned_empty((2,), np.float32), device)
+    (result,) = array.to_jax([array.aligned_empty((2,), np.float32)], [device])
     assert result.devices() == {device}
 
 

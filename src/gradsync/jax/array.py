@@ -6,11 +6,13 @@ Imported when gradsync first sees a jax array (``gradsync.arrays.adapter_for``) 
 * **In:** a jax array on the CPU is read where it lies: ``numpy.asarray`` of it is a read-only
   view of XLA's buffer (bfloat16 included, through ml_dtypes). An array on another device (a GPU)
   is copied to the host once (*staging*): the core moves host memory with MPI.
-* **Out:** results are written into a new host buffer aligned to 64 bytes, which
-  ``jax.dlpack.from_dlpack`` turns into a jax array without a copy (XLA's CPU client imports only
-  buffers aligned to 64 bytes; numpy's own are 16-aligned). bfloat16, which DLPack does not carry,
-  and dtypes that jax narrows (int64 and float64 while ``jax_enable_x64`` is off) are copied once.
-  A result for an array on another device is copied there once.
+* **Out:** results are written into new host buffers aligned to 64 bytes, which one
+  ``jax.device_put(..., may_alias=True)`` for all of a pytree's leaves turns into jax arrays
+  without a copy (XLA's CPU client imports only buffers aligned to 64 bytes; numpy's own are
+  16-aligned). Dtypes that jax narrows (int64 and float64 while ``jax_enable_x64`` is off) are
+  copied once; so is a result for an array on another device (a GPU), to that device.
+  (``jax.dlpack.from_dlpack`` imports in place too, but costs more per array and does not carry
+  bfloat16.)
 
 jax arrays are immutable, so the host view is always read-only and the core refuses in-place ops
 on them (``allreduce_`` and the like) with an error that names the op to use instead.
@@ -21,14 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import dtypes
 from ..arrays import TensorInfo
 
 ALIGNMENT = 64  #: bytes; the alignment XLA's CPU client needs to import a host buffer in place
-_DLPACK_DTYPES = frozenset(set(dtypes.SUPPORTED) - {"bfloat16"})
 
 
 def check_concrete(x: Any, what: str) -> None:
@@ -81,17 +81,14 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def to_jax(result: np.ndarray, device: jax.Device | None) -> jax.Array:
-    """The host array ``result`` (which nobody writes any more) as a jax array on ``device``
-    (None: jax's default device); without a copy where the module docstring says so."""
-    aligned = result.ctypes.data % ALIGNMENT == 0 and result.flags.c_contiguous
-    if aligned and dtypes.dtype_name(result.dtype) in _DLPACK_DTYPES:
-        array = jax.dlpack.from_dlpack(result)
-    else:
-        array = jnp.asarray(result)
-    if device is not None and array.devices() != {device}:
-        array = jax.device_put(array, device)
-    return array
+def to_jax(results: list[np.ndarray], devices: list[jax.Device | None]) -> list[jax.Array]:
+    """The host arrays ``results`` (which nobody writes any more) as jax arrays, each on its
+    device (None: jax's default device); one batched ``jax.device_put``, which imports each
+    aligned CPU buffer in place instead of copying it (module docstring)."""
+    try:
+        return jax.device_put(results, devices, may_alias=True)
+    except TypeError:  # a jax without may_alias (before 0.7): it copies
+        return jax.device_put(results, devices)
 
 
 class JaxAdapter:

@@ -190,7 +190,7 @@ def _start(spec, tree: Any, name: str | None, what: str) -> JaxHandle:
     handles = spec.submit(leaves.arrays, _leaf_names(name, leaves.paths), name)
 
     def finish(results: list[np.ndarray]) -> Any:
-        return leaves.rebuild([to_jax(r, d) for r, d in zip(results, devices)])
+        return leaves.rebuild(to_jax(results, devices))
 
     return JaxHandle(name or spec.kind, tuple(handles), finish)
 
@@ -408,4 +408,5 @@ def alltoall(array: Any, splits: Any = None, name: str | None = None,
     where = f"gradsync: rank {runtime.get().rank}: gradsync.jax.alltoall"
     device = None if isinstance(array, np.ndarray) else single_device(array, where)
     output, received = ops.alltoall(array, splits, name, process_set)
-    return to_jax(output, device), to_jax(received, None)
+    output, received = to_jax([output, received], [device, device])
+    return output, received
