@@ -2,11 +2,16 @@
 jax.jit, and DistributedOptimizer training against single-process training on the concatenated
 batch."""
 
+import os
+
 import numpy as np
 import pytest
 
 import gradsync
 
+# Two CPU devices per rank (before jax is imported), to check where results land and that pmap and
+# arrays sharded over several devices are refused; cpu:0 stays the default device.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
 pytestmark = pytest.mark.jax
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
@@ -235,6 +240,31 @@ def test_vmap_and_grad_are_refused_clearly():
         jax.vmap(gj.allreduce)(jnp.ones((2, 3)))
     with pytest.raises(TypeError, match="not differentiable"):
         jax.grad(lambda x: gj.allreduce(x).sum())(jnp.ones(3))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_results_come_back_on_their_inputs_device(where):
+    other = jax.devices()[1]
+    tree = {"a": jax.device_put(jnp.full((3,), float(gradsync.rank())), other), "b": jnp.ones(2)}
+    result = on_host_or_in_jit(where, lambda t: gj.allreduce(t, name=f"device.{where}"), tree)
+    assert result["a"].devices() == {other} and result["b"].devices() == {jax.devices()[0]}
+    close(result["a"], np.full(3, (size() - 1) / 2, np.float32))
+
+
+def test_an_array_sharded_over_two_devices_is_refused():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    sharded = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    with pytest.raises(TypeError, match="sharded over 2 devices.*one process per device"):
+        gj.allreduce(sharded)
+
+
+def test_pmap_and_shard_map_are_refused_clearly():
+    with pytest.raises(TypeError, match="cannot run inside jax.pmap or shard_map"):
+        jax.pmap(gj.allreduce)(jnp.ones((2, 3)))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    with pytest.raises(TypeError, match="cannot run inside jax.pmap or shard_map"):
+        jax.shard_map(gj.allreduce, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.ones(4))
 
 
 def test_average_metrics_gives_python_floats_of_the_mean():

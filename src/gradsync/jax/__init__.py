@@ -9,12 +9,12 @@ optax only when called). Four lines make a single-process JAX + optax script dat
     params = gradsync.jax.broadcast_parameters(params, root_rank=0)
 
 The collectives work outside ``jax.jit`` and inside it; see docs/jax.md. jax arrays are immutable,
-so there are no in-place forms (``allreduce_``): every op returns new arrays.
+so there are no in-place forms (``allreduce_``): every op returns new arrays. The handles of the
+``*_async`` ops are waited on with ``gradsync.synchronize`` and tested with ``gradsync.poll``.
 """
 
 from __future__ import annotations
 
-from ..ops import poll, synchronize
 from .collectives import (
     JaxHandle,
     allgather,
@@ -33,7 +33,7 @@ from .optimizer import DistributedOptimizer, average_metrics, broadcast_paramete
 __all__ = [
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async", "reducescatter", "alltoall",
-    "synchronize", "poll", "JaxHandle",
+    "JaxHandle",
     "DistributedOptimizer", "broadcast_parameters", "average_metrics",
 ]
 
