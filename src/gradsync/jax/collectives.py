@@ -186,7 +186,8 @@ def _start(spec, tree: Any, name: str | None, what: str) -> JaxHandle:
     for array in leaves.arrays:
         check_concrete(array, f"gradsync.jax.{what}")
     where = f"gradsync: rank {runtime.get().rank}: gradsync.jax.{what}"
-    devices = [None if isinstance(a, np.ndarray) else single_device(a, where) for a in leaves.arrays]
+    # Anything that is not a jax array (numpy, or what the core then refuses) has no device.
+    devices = [single_device(a, where) if isinstance(a, jax.Array) else None for a in leaves.arrays]
     handles = spec.submit(leaves.arrays, _leaf_names(name, leaves.paths), name)
 
     def finish(results: list[np.ndarray]) -> Any:
@@ -406,7 +407,7 @@ def alltoall(array: Any, splits: Any = None, name: str | None = None,
     """
     check_concrete(array, "gradsync.jax.alltoall")
     where = f"gradsync: rank {runtime.get().rank}: gradsync.jax.alltoall"
-    device = None if isinstance(array, np.ndarray) else single_device(array, where)
+    device = single_device(array, where) if isinstance(array, jax.Array) else None
     output, received = ops.alltoall(array, splits, name, process_set)
     output, received = to_jax([output, received], [device, device])
     return output, received
