@@ -180,9 +180,8 @@ def _is_traced(leaves: _Leaves) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves.arrays)
 
 
-def _start(spec, tree: Any, name: str | None, what: str) -> JaxHandle:
-    """Submit every leaf of the concrete pytree ``tree``; the handle rebuilds it from the results."""
-    leaves = _flatten(tree)
+def _start(spec, leaves: _Leaves, name: str | None, what: str) -> JaxHandle:
+    """Submit every leaf of a concrete pytree; the handle rebuilds the pytree from the results."""
     for array in leaves.arrays:
         check_concrete(array, f"gradsync.jax.{what}")
     where = f"gradsync: rank {runtime.get().rank}: gradsync.jax.{what}"
@@ -200,7 +199,7 @@ def _run(spec, tree: Any, name: str | None) -> Any:
     """The blocking op: at once on concrete arrays, through an ordered io_callback when traced."""
     leaves = _flatten(tree)
     if not _is_traced(leaves):
-        return _start(spec, tree, name, spec.kind).wait()
+        return _start(spec, leaves, name, spec.kind).wait()
     if not leaves.arrays:
         return tree
     return _in_jit(spec, leaves, name)
@@ -290,7 +289,7 @@ def allreduce_async(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.
         ValueError, NotInitializedError, CollectiveError: as :func:`gradsync.allreduce_async`.
     """
     spec = _Allreduce(_op(op, "allreduce_async"), prescale_factor, postscale_factor, process_set)
-    return _start(spec, tree, name, "allreduce_async")
+    return _start(spec, _flatten(tree), name, "allreduce_async")
 
 
 def allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -320,7 +319,7 @@ def grouped_allreduce_async(tree: Any, name: str | None = None, op: ReduceOp = R
     """
     spec = _GroupedAllreduce(_op(op, "grouped_allreduce_async"), prescale_factor, postscale_factor,
                              process_set)
-    return _start(spec, tree, name, "grouped_allreduce_async")
+    return _start(spec, _flatten(tree), name, "grouped_allreduce_async")
 
 
 def grouped_allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -347,7 +346,7 @@ def broadcast_async(tree: Any, root_rank: int, name: str | None = None,
     Raises:
         ValueError: ``root_rank`` not a rank (of ``process_set``). Others as :func:`allreduce_async`.
     """
-    return _start(_Broadcast(root_rank, process_set), tree, name, "broadcast_async")
+    return _start(_Broadcast(root_rank, process_set), _flatten(tree), name, "broadcast_async")
 
 
 def broadcast(tree: Any, root_rank: int, name: str | None = None,
@@ -367,7 +366,7 @@ def allgather_async(tree: Any, name: str | None = None,
     Raises:
         ValueError: a 0-d leaf. Others as :func:`allreduce_async`.
     """
-    return _start(_Allgather(process_set), tree, name, "allgather_async")
+    return _start(_Allgather(process_set), _flatten(tree), name, "allgather_async")
 
 
 def allgather(tree: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Any:
