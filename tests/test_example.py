@@ -1,5 +1,6 @@
-"""The README's example trains to the promised accuracy on 2 ranks, resumes from its checkpoint, and
-shows its progress bar on rank 0 under mpiexec."""
+"""The README's examples train to the promised accuracy on 2 ranks; the torch one resumes from its
+checkpoint and shows its progress bar on rank 0 under mpiexec, the JAX one gives the same accuracy
+with its update inside jit and outside."""
 
 import re
 
@@ -7,8 +8,9 @@ import pytest
 
 from mpi_launch import REPO, run_mpi
 
-pytestmark = [pytest.mark.mpi, pytest.mark.torch]
+pytestmark = pytest.mark.mpi
 EXAMPLE = REPO / "examples" / "train_digits.py"
+JAX_EXAMPLE = REPO / "examples" / "train_digits_jax.py"
 
 
 def final_accuracy(output: str) -> float:
@@ -18,6 +20,7 @@ def final_accuracy(output: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.torch
 def test_digits_example_trains_and_resumes(tmp_path):
     checkpoint = str(tmp_path / "digits.pt")
     # No bar here: the job's stdout and stderr come merged, and the bar's stderr could land last.
@@ -44,3 +47,12 @@ def test_the_progress_bar_shows_on_rank_0_under_mpiexec_unless_switched_off(tmp_
     hidden = run_mpi(EXAMPLE, 2, *args, "--no-progress", timeout=240).stdout
     assert "42/42" not in hidden and "training:" not in hidden, hidden
     assert final_accuracy(hidden) > 0.5, hidden
+
+
+@pytest.mark.jax
+def test_jax_digits_example_trains_with_its_update_in_jit_and_on_the_host():
+    in_jit = run_mpi(JAX_EXAMPLE, 2, timeout=240).stdout
+    assert final_accuracy(in_jit) >= 0.95, in_jit
+    on_host = run_mpi(JAX_EXAMPLE, 2, "--update", "host", "--epochs", "3", timeout=240).stdout
+    three_epochs = [line for line in in_jit.splitlines() if line.startswith("epoch 3/")]
+    assert three_epochs and three_epochs[0].replace("3/20", "3/3") in on_host, on_host
