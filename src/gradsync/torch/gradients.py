@@ -66,22 +66,16 @@ class GradientReducer:
     Args:
         reduction: the op, scale factors, compression, sparse handling and process set.
         rank: this process's world rank, for messages.
-        joins: the number of join() calls completed on the process set (the same on every member
-            once they completed), see :meth:`exchange_layouts`.
 
     Parameters are added with :meth:`track`; :meth:`cut_into_groups` cuts those known then into
     reduction groups (``num_groups``); parameters tracked later are reduced on their own.
     """
 
-    def __init__(self, reduction: Reduction, rank: int, joins: Callable[[], int]) -> None:
+    def __init__(self, reduction: Reduction, rank: int) -> None:
         self.reduction = reduction
         self.rank = rank
-        self._joins = joins
-        self._layouts_since = joins()  # the join count when self.layouts was last agreed
         self.names: dict[torch.Tensor, str] = {}  # parameter -> name, in the optimizer's order
         self.groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
-        # Gradient layout per parameter, the same on every rank: only exchange_layouts() adds to it.
-        self.layouts: dict[torch.Tensor, int] = {}
         self._round = _Round()
         self._averaged: dict[torch.Tensor, weakref.ref] = {}  # the gradients the last round wrote
 
@@ -119,20 +113,28 @@ class GradientReducer:
             self._allreduce(param, name, grad)
 
     def finish_round(self) -> None:
-        """Hand over every gradient not handed over yet (zeros where this rank has none), wait for
-        the whole round, then write the results; the next round starts empty.
+        """Hand over every gradient not handed over yet, wait for the whole round, then write the
+        results; the next round starts empty.
+
+        Every rank first tells the others which gradients it has, and their layouts (one small
+        allreduce per round, :meth:`_exchange_layouts`). A parameter that no rank has a gradient
+        for is not reduced, and its ``p.grad`` stays None, as in one process; for any other one a
+        rank without a gradient contributes zeros: dense zeros, or no rows where the others'
+        gradients are sparse.
 
         Raises:
             RuntimeError: a gradient changed in place, or ``p.grad`` was replaced, while its
                 collective was in flight (named, with the fix), after the whole round finished.
             CollectiveError, ShutdownError, RankFailureError: a collective failed.
         """
-        self.exchange_layouts()
-        for param in self.names:
-            if not self.handed(param):
-                if param.grad is None:
-                    param.grad = self._zeros(param)
-                self.hand_over(param)
+        if not self.names:
+            return
+        layouts = self._exchange_layouts()
+        missing = [p for p in self.names if not self.handed(p)]
+        if missing:
+            self._hand_over_missing(missing, dict(zip(self.names, ops.synchronize(layouts))))
+        else:
+            self._round.waits.append(functools.partial(ops.synchronize, layouts))
         done, self._round = self._round, _Round()
         _call_all(done.waits)
         self._check_unchanged(done.handed)
@@ -140,31 +142,22 @@ class GradientReducer:
             finish()
         self._averaged = {param: weakref.ref(param.grad) for param in done.handed}
 
-    def exchange_layouts(self) -> None:
-        """Make every rank learn, from the ranks that have one, the layout (dense, or sparse and
-        its sparse_dim) of each gradient whose layout is not known yet: one small allreduce (Max),
-        only while some parameter's layout is unknown, which every rank sees alike. A rank that
-        stood in join() missed the exchanges meanwhile, so after every completed join() each rank
-        forgets the layouts and learns them again in its next round."""
-        if self._joins() != self._layouts_since:
-            self.layouts, self._layouts_since = {}, self._joins()
-        unknown = [p for p in self.names if p not in self.layouts]
-        if self.reduction.sparse_as_dense or not unknown:
-            return
-        local = np.array([_layout(p.grad) for p in unknown], np.int8)
-        agreed = ops.allreduce(local, name=f"gradsync.gradient_layouts.{self.names[unknown[0]]}",
-                               op=ReduceOp.Max, process_set=self.reduction.process_set)
-        self.layouts.update((p, int(code)) for p, code in zip(unknown, agreed) if code > 0)
+    def _exchange_layouts(self):
+        """Start the allreduce (Max) of every parameter's gradient layout on this rank: 0 for
+        none, DENSE, or DENSE + sparse_dim for a sparse gradient (joined ranks add nothing)."""
+        local = np.array([_layout(p.grad) for p in self.names], np.int8)
+        return ops.allreduce_async(local, name=f"gradsync.gradient_layouts.{next(iter(self.names))}",
+                                   op=ReduceOp.Max, process_set=self.reduction.process_set)
 
-    def _zeros(self, param: torch.Tensor) -> torch.Tensor:
-        """This rank's contribution for a parameter without a gradient: dense zeros, or an empty
-        sparse gradient (no rows) where the other ranks' gradients are sparse."""
-        sparse_dim = self.layouts.get(param, DENSE) - DENSE
-        if sparse_dim == 0 or self.reduction.sparse_as_dense:
-            return torch.zeros_like(param)
-        indices = torch.empty((sparse_dim, 0), dtype=torch.int64, device=param.device)
-        values = param.new_empty((0, *param.shape[sparse_dim:]))
-        return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False)
+    def _hand_over_missing(self, missing: list[torch.Tensor], layouts: dict) -> None:
+        for param in missing:
+            if layouts[param] == 0:  # no rank has a gradient: nothing to reduce
+                if param in self.groups:
+                    self._group_member_ready(param)
+                continue
+            if param.grad is None:
+                param.grad = _zeros(param, int(layouts[param]) - DENSE)
+            self.hand_over(param)
 
     def _allreduce(self, param: torch.Tensor, name: str, grad: torch.Tensor) -> None:
         compressed, context = self.reduction.compression.compress(grad)
@@ -189,8 +182,8 @@ class GradientReducer:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for member in members:  # sparse gradients went their own way (allgather)
-            grad = member.grad
-            if grad.layout == torch.strided:
+            grad = member.grad  # None: no rank has one
+            if grad is not None and grad.layout == torch.strided:
                 compressed, context = self.reduction.compression.compress(grad)
                 by_dtype.setdefault(compressed.dtype, []).append(
                     _alias(grad) if compressed is grad else compressed)
@@ -253,6 +246,16 @@ def reduction_groups(params: list[torch.Tensor], num_groups: int) -> dict:
         groups.update((param, (index, members)) for param in members)
         start += count
     return groups
+
+
+def _zeros(param: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    """This rank's contribution for a parameter without a gradient: dense zeros, or an empty
+    sparse gradient (no rows) of ``sparse_dim`` sparse dimensions."""
+    if sparse_dim == 0:
+        return torch.zeros_like(param)
+    indices = torch.empty((sparse_dim, 0), dtype=torch.int64, device=param.device)
+    values = param.new_empty((0, *param.shape[sparse_dim:]))
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False)
 
 
 def _layout(grad: torch.Tensor | None) -> int:

@@ -52,8 +52,7 @@ class _DistributedOptimizer:
         self._gs_in_backward = synchronize_in_backward
         self._gs_coordinator = runtime.get().coordinator_for(
             reduction.process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer")
-        self._gs_reducer = GradientReducer(reduction, self._gs_rank,
-                                           lambda coordinator=self._gs_coordinator: coordinator.joins)
+        self._gs_reducer = GradientReducer(reduction, self._gs_rank)
         self._gs_names = self._gs_reducer.names  # parameter -> name
         self._gs_hooks = []
         # The hooks hold the optimizer weakly, and go when it goes: a dropped DistributedOptimizer
@@ -73,7 +72,7 @@ class _DistributedOptimizer:
         self._gs_reducer.cut_into_groups(num_groups)
         self._gs_parameters_checked = False  # the first step() compares the ranks' parameters
         self._gs_warned_no_gradient = False
-        self._gs_backward_task = -1  # the backward pass (autograd graph task) with our callback
+        self._gs_backward_tasks: set[int] = set()  # backward passes (graph tasks) with our callback
         self._gs_new_period()
 
     def _gs_params(self) -> list[torch.Tensor]:
@@ -148,16 +147,35 @@ class _DistributedOptimizer:
         """From the first gradient hook of a backward pass: run _gs_end_of_backward when the
         autograd engine finishes that pass (DDP queues its bucket wait the same way)."""
         task = torch._C._current_graph_task_id()
-        if task != self._gs_backward_task and task != -1:
-            self._gs_backward_task = task
+        if task != -1 and task not in self._gs_backward_tasks:
+            self._gs_backward_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(self._gs_end_of_backward)
 
     def _gs_end_of_backward(self) -> None:
         """Count this backward pass; on the step's last one, wait for the period's allreduces, so
         that backward() returns averaged gradients (on a GPU: the caller's stream waits)."""
+        self._gs_backward_tasks.discard(torch._C._current_graph_task_id())
+        outer = torch._C._current_autograd_node()
+        if outer is not None:  # this pass ran inside a node of another one (reentrant checkpoint)
+            self._gs_resume_after(outer)
+            return
         self._gs_backward_count += 1
         if self._gs_period is _Period.OPEN and self._gs_backward_count >= self._gs_passes:
             self.synchronize()
+
+    def _gs_resume_after(self, outer) -> None:
+        """Queue the end-of-backward callback on the enclosing backward pass instead, from a
+        pre-hook on the nodes that pass runs after ``outer`` (one of them always runs: gradients
+        flow through a checkpoint only towards inputs that require them)."""
+        handles = []
+
+        def resume(grad_outputs):
+            for handle in handles:
+                handle.remove()
+            self._gs_queue_end_of_backward()
+
+        handles += [node.register_prehook(resume) for node, _ in outer.next_functions
+                    if node is not None]
 
     def _gs_mark_backward(self, param: torch.Tensor) -> None:
         """Timeline: the first and latest gradient of this step. On a GPU the host runs ahead of
@@ -278,8 +296,8 @@ class _DistributedOptimizer:
         return self._gs_average_loss(loss)
 
     def _gs_average_loss(self, loss):
-        """``loss`` reduced across the ranks (float64) in its own type (tensor, on its device, or
-        Python number); every rank gets the same bits. None stays None."""
+        """``loss`` reduced across the ranks in float64, returned as a tensor like ``loss`` (its
+        shape, dtype and device) or as a float; every rank gets the same bits. None stays None."""
         value = torch.full((1,), float("nan"), dtype=torch.float64) if loss is None else (
             torch.as_tensor(loss).detach().to("cpu", torch.float64).reshape(-1))
         name = f"gradsync.closure_loss.{next(iter(self._gs_names), 'none')}"
@@ -288,7 +306,7 @@ class _DistributedOptimizer:
             return None
         if isinstance(loss, torch.Tensor):
             return reduced.reshape(loss.shape).to(loss.device, loss.dtype)
-        return type(loss)(reduced.item()) if isinstance(loss, (float, int)) else reduced.item()
+        return reduced.item()
 
     def _gs_refuse_in_flight(self, what: str) -> None:
         names = self._gs_reducer.in_flight()
