@@ -143,9 +143,12 @@ class GradientReducer:
         self._averaged = {param: weakref.ref(param.grad) for param in done.handed}
 
     def _exchange_layouts(self):
-        """Start the allreduce (Max) of every parameter's gradient layout on this rank: 0 for
-        none, DENSE, or DENSE + sparse_dim for a sparse gradient (joined ranks add nothing)."""
-        local = np.array([_layout(p.grad) for p in self.names], np.int8)
+        """Start the allreduce (Max) of every parameter's gradient layout on this rank (of the
+        gradient handed over, if it was): 0 for none, DENSE, or DENSE + sparse_dim for a sparse
+        gradient (joined ranks add nothing)."""
+        handed = self._round.handed
+        local = np.array([_layout(handed[p].grad if p in handed else p.grad) for p in self.names],
+                         np.int8)
         return ops.allreduce_async(local, name=f"gradsync.gradient_layouts.{next(iter(self.names))}",
                                    op=ReduceOp.Max, process_set=self.reduction.process_set)
 

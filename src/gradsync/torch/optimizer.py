@@ -224,7 +224,7 @@ class _DistributedOptimizer:
         self._gs_reducer.finish_round()
 
     def _gs_warn_once_without_gradients(self) -> None:
-        if (self._gs_warned_no_gradient or self._gs_size == 1 or self._gs_reducer.in_flight()
+        if (self._gs_warned_no_gradient or self._gs_size == 1
                 or any(p.grad is not None for p in self._gs_names)):
             return
         self._gs_warned_no_gradient = True
@@ -515,7 +515,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             is not registered or does not contain this rank.
         TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
-        RuntimeError (later, from ``backward()``, ``synchronize()`` or ``step()``): a gradient
+        RuntimeError: later, from ``backward()``, ``synchronize()`` or ``step()``: a gradient
             changed in place or ``p.grad`` replaced while its allreduce was in flight; a backward
             pass after the step's gradients were averaged, without ``step()`` or ``zero_grad()``
             between. The message names the parameter and the fix.
