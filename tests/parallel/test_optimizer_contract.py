@@ -406,6 +406,18 @@ def test_adam_with_a_closure_returns_the_averaged_loss_and_equals_single_process
     assert_trained_alike(model, reference)
 
 
+def test_ranks_holding_different_parameters_still_submit_the_same_collectives():
+    """The optimizer's own collectives are named after parameter names, never their values: a
+    forgotten broadcast_parameters trains apart (and warns), but nothing stalls."""
+    torch.manual_seed(gradsync.rank())
+    model = torch.nn.Linear(5, 3).double()
+    opt = wrap(model, torch.optim.LBFGS(model.parameters(), max_iter=3))
+    x, y = batch(gradsync.rank(), 0)
+    loss = opt.step(closure_of(model, opt, x, y, []))
+    losses = gradsync.allgather(loss.reshape(1), name="contract.losses")
+    assert torch.unique(losses).numel() == 1, losses
+
+
 # --- broadcast_optimizer_state (issue 16 item 9) -----------------------------------------------
 
 class OnAnotherDevice(torch.Tensor):

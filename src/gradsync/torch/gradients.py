@@ -85,6 +85,10 @@ class GradientReducer:
     def cut_into_groups(self, num_groups: int) -> None:
         self.groups = reduction_groups(list(self.names), num_groups)
 
+    def first_name(self) -> str:
+        """The first parameter's name: it tells this optimizer's own collectives apart."""
+        return next(iter(self.names.values()), "none")
+
     def handed(self, param: torch.Tensor) -> bool:
         """True if ``param``'s gradient is part of this round already."""
         return param in self._round.handed
@@ -149,7 +153,7 @@ class GradientReducer:
         handed = self._round.handed
         local = np.array([_layout(handed[p].grad if p in handed else p.grad) for p in self.names],
                          np.int8)
-        return ops.allreduce_async(local, name=f"gradsync.gradient_layouts.{next(iter(self.names))}",
+        return ops.allreduce_async(local, name=f"gradsync.gradient_layouts.{self.first_name()}",
                                    op=ReduceOp.Max, process_set=self.reduction.process_set)
 
     def _hand_over_missing(self, missing: list[torch.Tensor], layouts: dict) -> None:

@@ -300,7 +300,7 @@ class _DistributedOptimizer:
         shape, dtype and device) or as a float; every rank gets the same bits. None stays None."""
         value = torch.full((1,), float("nan"), dtype=torch.float64) if loss is None else (
             torch.as_tensor(loss).detach().to("cpu", torch.float64).reshape(-1))
-        name = f"gradsync.closure_loss.{next(iter(self._gs_names), 'none')}"
+        name = f"gradsync.closure_loss.{self._gs_reducer.first_name()}"
         reduced = ops.allreduce(value, name=name, op=self._gs_op, process_set=self._gs_process_set)
         if loss is None:
             return None
