@@ -3,7 +3,9 @@
 A file declares the rank counts it runs at in a module-level ``RANKS = (1, 2, 4)`` (the default)
 and, when it needs more than the default 300 s, ``TIMEOUT = <seconds>``. A file that needs torch
 sets ``pytestmark = pytest.mark.torch``; its jobs are then marked torch here too, so they skip
-where torch is not installed. See tests/parallel/conftest.py for what each job guarantees.
+where torch is not installed. A file's ``VARIANTS`` add jobs with more environment variables, at
+their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py). See
+tests/parallel/conftest.py for what each job guarantees.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import pytest
 from mpi_launch import PARALLEL, mpiexec, run_job, run_parallel
 
 DEFAULT_RANKS = (1, 2, 4)
+DEFAULT_VARIANT_RANKS = (2,)
 
 
 def _module_setting(path: Path, name: str, default):
@@ -28,19 +32,47 @@ def _module_setting(path: Path, name: str, default):
     return default
 
 
+@dataclass(frozen=True)
+class Job:
+    """One MPI job: a file of tests/parallel/ at ``ranks`` ranks, with ``env`` added to the
+    environment, running the tests that ``-k select`` picks (all when empty)."""
+
+    path: Path
+    ranks: int
+    env: dict[str, str] = field(default_factory=dict)
+    select: str = ""
+
+    def pytest_args(self) -> tuple[str, ...]:
+        return ("-k", self.select) if self.select else ()
+
+
+def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
+    """(id, job) for every rank count of every variant the file declares in ``VARIANTS``."""
+    jobs = []
+    for name, variant in _module_setting(path, "VARIANTS", {}).items():
+        unknown = set(variant) - {"env", "ranks", "k"}
+        assert not unknown and "env" in variant, f"{path.name}: VARIANTS[{name!r}]: {variant}"
+        for n in variant.get("ranks", DEFAULT_VARIANT_RANKS):
+            job = Job(path, n, dict(variant["env"]), variant.get("k", ""))
+            jobs.append((f"{path.stem}-{name}-{n}", job))
+    return jobs
+
+
 def _jobs():
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
         if re.search(r"^pytestmark\s*=.*pytest\.mark\.torch", path.read_text(), re.M):
             marks.append(pytest.mark.torch)
-        for n in _module_setting(path, "RANKS", DEFAULT_RANKS):
-            yield pytest.param(path, n, id=f"{path.stem}-{n}", marks=marks)
+        plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
+        for job_id, job in plain + _variant_jobs(path):
+            yield pytest.param(job, id=job_id, marks=marks)
 
 
-@pytest.mark.parametrize(("path", "n"), list(_jobs()))
-def test_file_passes_on_every_rank(path, n):
-    counts = run_parallel(path, n, timeout=_module_setting(path, "TIMEOUT", 300))
-    assert counts[0]["passed"] > 0, f"{path.name} at {n} ranks ran no test: {counts[0]}"
+@pytest.mark.parametrize("job", list(_jobs()))
+def test_file_passes_on_every_rank(job):
+    counts = run_parallel(job.path, job.ranks, *job.pytest_args(), env=job.env,
+                          timeout=_module_setting(job.path, "TIMEOUT", 300))
+    assert counts[0]["passed"] > 0, f"{job.path.name} at {job.ranks} ranks ran no test: {counts[0]}"
 
 
 SELFTEST = PARALLEL / "selftest" / "harness_cases.py"
