@@ -2,7 +2,9 @@
 
 - N-rank training equals single-process training on the concatenated batch (within 1e-5), and every
   rank ends with bit-identical parameters, also with the gradients reduced in groups (num_groups);
-- DistributedOptimizer's behaviours and misuse errors (tests/workers/optimizer_check.py).
+- the first step's check that every rank holds the same parameters.
+
+DistributedOptimizer's other behaviours and misuse errors: tests/parallel/test_optimizer.py.
 """
 
 import pytest
@@ -34,12 +36,6 @@ def test_adam_with_gradient_accumulation_equals_single_process():
     out = run_mpi("train_equivalence.py", 2, "--optimizer", "adam", "--passes", "2",
                   timeout=180).stdout
     assert out.count("EQUIVALENT") == 2, out
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_optimizer_behaviour(ranks):
-    out = run_mpi("optimizer_check.py", ranks, timeout=180).stdout
-    assert out.count("optimizer cases passed") == ranks, out
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
