@@ -1,5 +1,5 @@
-"""Process sets against numpy references: see tests/workers/process_set_check.py and
-tests/workers/toolkit_optimizer_check.py."""
+"""Process sets: DistributedOptimizer on sets and compression (tests/workers/toolkit_optimizer_check.py),
+and a name submitted on different sets. The collectives on sets: tests/parallel/test_process_sets.py."""
 
 import re
 
@@ -8,12 +8,6 @@ import pytest
 from mpi_launch import run_mpi
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_process_sets(ranks):
-    out = run_mpi("process_set_check.py", ranks, timeout=180).stdout
-    assert out.count("process_set_check rank") == ranks, out
 
 
 @pytest.mark.torch

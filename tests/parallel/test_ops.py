@@ -3,8 +3,9 @@ the numpy references of tests/parallel/reference.py (every rank builds every ran
 
 The last test checks that nothing in the job imported torch: these ops need numpy alone. Their
 torch-tensor counterparts are in test_ops_torch.py. The allreduce tests run again without fusion
-and with a 4 KiB fusion threshold, and every test without the response cache and with a cache
-of 3 entries (evictions while requests wait on their bits): see ``VARIANTS``.
+and with a 4 KiB fusion threshold, every test without the response cache and with a cache of 3
+entries (evictions while requests wait on their bits), and the tests with a joined rank at 3
+ranks without the cache: see ``VARIANTS``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ VARIANTS = {
     "4k-fusion": {"env": {"GRADSYNC_FUSION_THRESHOLD": "4096"}, "k": "allreduce"},
     "no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}},
     "tiny-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "3"}},
+    "joined-no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}, "ranks": (3,), "k": "join"},
 }
 
 ROOTS = [pytest.param(r, id=f"root{r}") for r in range(WORLD_SIZE)]
@@ -678,6 +680,67 @@ def test_ranks_that_disagree_get_a_collective_error_listing_every_ranks_value(ca
     assert str(caught.value) == _mismatch_message(what, case, rank, size)
     assert isinstance(caught.value, gs.GradsyncError)
     assert_array(after, np.full(4, sum(range(size)), np.int32)), "the job and the name are usable"
+
+
+# ---- a joined rank -------------------------------------------------------------------------------
+# Rank 0 joins at once; the others run the op, then join. A joined rank stands in for every op
+# (the identity of the reduction, no allgather rows) until every rank has joined.
+
+def _needs_a_rank_that_does_not_join(size: int) -> None:
+    if size == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+
+
+def _others_run(rank: int, op):
+    """Rank 0 joins; the others run ``op()`` and join after it. Returns (op's result or None,
+    join's result)."""
+    if rank == 0:
+        return None, gs.join()
+    try:
+        result = op()
+    finally:
+        last = gs.join()  # whatever happened: rank 0 waits for this
+    return result, last
+
+
+@pytest.mark.parametrize("op", [Sum, Min, Max, Product], ids=lambda op: op.name)
+def test_allreduce_with_a_joined_rank_reduces_over_the_other_ranks(case, rank, size, op):
+    _needs_a_rank_that_does_not_join(size)
+    got, _ = _others_run(rank, lambda: gs.allreduce(np.full(3, float(rank)), name=case, op=op))
+    if rank != 0:
+        assert_array(got, reference_allreduce([np.full(3, float(r)) for r in range(1, size)], op))
+
+
+def test_allgather_with_a_joined_rank_has_no_rows_from_it(case, rank, size):
+    _needs_a_rank_that_does_not_join(size)
+    got, _ = _others_run(rank, lambda: gs.allgather(np.full((1, 2), rank), name=case))
+    if rank != 0:
+        assert got.tolist() == [[r, r] for r in range(1, size)]
+
+
+def test_a_broadcast_from_a_joined_root_is_a_collective_error_on_the_other_ranks(case, rank, size):
+    _needs_a_rank_that_does_not_join(size)
+
+    def broadcast():
+        with pytest.raises(CollectiveError) as caught:
+            gs.broadcast(np.ones(2), root_rank=0, name=case)
+        return str(caught.value)
+
+    message, _ = _others_run(rank, broadcast)
+    if rank != 0:
+        assert message == (f"gradsync: rank {rank}: broadcast {case!r}: its root rank 0 has called join() "
+                           "and cannot broadcast")
+
+
+def test_a_barrier_with_a_joined_rank_waits_for_the_other_ranks_only(case, rank, size):
+    _needs_a_rank_that_does_not_join(size)
+    _others_run(rank, lambda: gs.barrier(name=case))
+
+
+def test_join_returns_the_rank_that_joined_last(rank, size):
+    _, last = _others_run(rank, lambda: None)
+    assert last != 0 or size == 1
+    assert last in range(size)
 
 
 def test_no_test_of_this_file_imported_torch(request):

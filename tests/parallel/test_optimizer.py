@@ -1,5 +1,9 @@
 """DistributedOptimizer and the broadcast helpers: gradients against every rank's local gradients
-recomputed on each rank (torch alone), misuse errors, and the broadcasts against the root's values.
+recomputed on each rank (torch alone), misuse errors, the broadcasts against the root's values,
+and training with join() against one process.
+
+The join test runs again with ``GRADSYNC_JOIN_DIVISOR=contributors`` and without the response
+cache: see ``VARIANTS``.
 """
 
 from __future__ import annotations
@@ -7,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 
 import pytest
 
@@ -16,7 +21,12 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
-RANKS = (1, 2)
+RANKS = (1, 2, 3)
+VARIANTS = {
+    "join-by-contributors": {"env": {"GRADSYNC_JOIN_DIVISOR": "contributors"}, "ranks": (1, 2, 3),
+                             "k": "join"},
+    "join-no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}, "ranks": (3,), "k": "join"},
+}
 
 
 @contextlib.contextmanager
@@ -340,3 +350,47 @@ def test_num_groups_with_mixed_dtypes_an_unused_parameter_and_a_sparse_gradient(
     assert torch.allclose(embedding.weight.grad.to_dense()[1], torch.ones(2)), embedding.weight.grad
     with opt.skip_synchronize():
         opt.step()
+
+
+def _uneven_batches(r: int):
+    """Rank ``r`` has 2 + r batches."""
+    g = torch.Generator().manual_seed(100 + r)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2 + r)]
+
+
+def _reference_training(size: int, by_contributors: bool) -> torch.nn.Module:
+    """One process: at each step, the sum of the gradients of the ranks that still had a batch
+    over the world size (joined ranks count as zeros, as in Horovod and DDP), or over those
+    ranks with ``GRADSYNC_JOIN_DIVISOR=contributors``."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 1)
+    every = [_uneven_batches(r) for r in range(size)]
+    for step in range(2 + size - 1):
+        active = [r for r in range(size) if step < len(every[r])]
+        grads = []
+        for r in active:
+            reference.zero_grad()
+            torch.nn.functional.mse_loss(reference(every[r][step][0]), every[r][step][1]).backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(reference.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / (len(active) if by_contributors else size)
+    return reference
+
+
+def test_ranks_that_run_out_of_batches_join_and_the_last_rank_trains_like_one_process(rank, size):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model.named_parameters())
+    for x, y in _uneven_batches(rank):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = gradsync.join()
+    assert last == size - 1, "the rank with the most batches joins last"
+    if rank == size - 1:  # it stepped through every batch: it must match exactly
+        by_contributors = os.environ.get("GRADSYNC_JOIN_DIVISOR") == "contributors"
+        reference = _reference_training(size, by_contributors)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p, q, atol=1e-6), (p, q)
