@@ -1,6 +1,6 @@
 """allreduce, broadcast and allgather on torch tensors: results are torch tensors of the input's
 dtype, equal to the numpy references of tests/parallel/reference.py (test_ops.py runs the same
-ops on numpy arrays)."""
+ops on numpy arrays); and gradsync.metrics on torch scalars (test_metrics.py: on numbers)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from reference import (
 )
 
 import gradsync as gs
-from gradsync import Average, Max, Min, Sum
+from gradsync import Average, Max, Min, Sum, metrics
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -82,3 +82,29 @@ def test_an_unsupported_torch_dtype_is_a_type_error_naming_the_tensor_and_the_ra
         gs.allreduce(torch.zeros(3, dtype=torch.complex64), name=case)
     for fragment in ("complex64", repr(case), f"rank {rank}"):
         assert fragment in str(caught.value)
+
+
+# ---- gradsync.metrics on torch scalars -----------------------------------------------------------
+
+def test_allreduce_scalar_of_a_torch_scalar_is_a_python_float(case, rank, size):
+    got = metrics.allreduce_scalar(torch.tensor(float(rank)), name=case)
+    assert type(got) is float and got == (size - 1) / 2
+
+
+def test_a_metric_takes_detached_torch_scalars(size, rank):
+    metric = metrics.Metric("t.metric")
+    loss = (torch.ones(2, requires_grad=True) * rank).sum()  # 2 * rank
+    metric.update(loss.detach(), weight=2)
+    metric.update(loss.item())
+    assert metric.compute() == float(size - 1)
+
+
+def test_a_metric_update_with_a_tensor_that_requires_grad_is_a_type_error():
+    loss = (torch.ones(2, requires_grad=True) * 3).sum()
+    with pytest.raises(TypeError) as caught:
+        metrics.Metric("t.metric").update(loss)
+    assert "'t.metric'" in str(caught.value) and "requires grad" in str(caught.value)
+
+
+def test_average_scalars_of_torch_scalars(case, rank, size):
+    assert metrics.average_scalars({"loss": torch.tensor(2.0 * rank)}, name=case) == {"loss": float(size - 1)}
