@@ -94,3 +94,10 @@ def test_a_test_that_fails_on_one_rank_fails_on_every_rank():
 def test_run_parallel_refuses_a_job_with_a_failure():
     with pytest.raises(AssertionError, match="failed=1"):
         run_parallel(SELFTEST, 2, timeout=120)
+
+
+def test_no_file_of_tests_parallel_has_the_name_of_a_file_of_tests():
+    """pytest imports test files by their base name (there is no __init__.py): two files of one
+    name would break a session that collects both (GRADSYNC_PARALLEL_TESTS=1)."""
+    names = {path.name for path in PARALLEL.glob("test_*.py")}
+    assert not names & {path.name for path in PARALLEL.parent.glob("test_*.py")}

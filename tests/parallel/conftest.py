@@ -49,10 +49,15 @@ every later test).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 import gradsync  # imported before anything starts MPI: it sets Open MPI's yield setting
+
+# tests/workers: the training of test_training.py is also a script the launch tests run.
+sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
 
 # Before init(): a collective submitted by some ranks only becomes an error on every rank.
 os.environ.setdefault("GRADSYNC_STALL_CHECK_TIME_SECONDS", "5")

@@ -1,6 +1,7 @@
 """DistributedOptimizer and the broadcast helpers: gradients against every rank's local gradients
 recomputed on each rank (torch alone), misuse errors, the broadcasts against the root's values,
-and training with join() against one process.
+training with join() and on a process set against one process, gradient compression, and the
+first step's check that the ranks hold the same parameters.
 
 The join test runs again with ``GRADSYNC_JOIN_DIVISOR=contributors`` and without the response
 cache: see ``VARIANTS``.
@@ -11,8 +12,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import os
+from dataclasses import dataclass
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 import gradsync
@@ -394,3 +399,224 @@ def test_ranks_that_run_out_of_batches_join_and_the_last_rank_trains_like_one_pr
         reference = _reference_training(size, by_contributors)
         for p, q in zip(model.parameters(), reference.parameters()):
             assert torch.allclose(p, q, atol=1e-6), (p, q)
+
+
+# ---- process sets and compression ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sets:
+    evens: gradsync.ProcessSet  # world ranks 0, 2, ... (the global set at one rank)
+    odds: gradsync.ProcessSet | None  # 1, 3, ... (None at one rank)
+    mine: gradsync.ProcessSet
+
+
+@pytest.fixture(scope="module")
+def sets():
+    """Two disjoint process sets, registered for this file's tests and removed after them."""
+    rank, size = gradsync.rank(), gradsync.size()
+    if size == 1:
+        yield Sets(gradsync.global_process_set, None, gradsync.global_process_set)
+        return
+    evens, odds = gradsync.add_process_set(range(0, size, 2)), gradsync.add_process_set(range(1, size, 2))
+    yield Sets(evens, odds, evens if rank % 2 == 0 else odds)
+    gradsync.remove_process_set(odds)
+    gradsync.remove_process_set(evens)
+
+
+def _toolkit_batch(r: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + r)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _toolkit_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def _local_gradients(net, r: int, step: int) -> list:
+    net.zero_grad()
+    torch.nn.functional.mse_loss(net(_toolkit_batch(r, step)[0]), _toolkit_batch(r, step)[1]).backward()
+    return [p.grad.detach().clone() for p in net.parameters()]
+
+
+def test_training_on_a_process_set_equals_one_process_on_the_members_batches(sets, rank):
+    net, reference = _toolkit_model(), _toolkit_model()
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.2),
+                                        net.named_parameters(), process_set=sets.mine)
+    for step in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(_toolkit_batch(rank, step)[0]), _toolkit_batch(rank, step)[1]).backward()
+        opt.step()
+        per_rank = [_local_gradients(reference, r, step) for r in sets.mine.ranks]
+        with torch.no_grad():
+            for i, p in enumerate(reference.parameters()):
+                p -= 0.2 * sum(g[i] for g in per_rank) / len(per_rank)
+    for p, q in zip(net.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), (p, q)
+
+
+def test_a_rank_outside_a_process_set_cannot_wrap_an_optimizer_for_it(sets, rank, size):
+    if size == 1:
+        pytest.skip("at one rank the only set is the global one")
+    if rank % 2 == 0:
+        return  # the odd ranks try it with the even set
+    with raises(ValueError, f"rank {rank} is not a member of"):
+        gradsync.DistributedOptimizer(torch.optim.SGD(_toolkit_model().parameters(), lr=0.1),
+                                      process_set=sets.evens)
+
+
+@pytest.mark.parametrize(("compression", "dtype", "tolerance"), [
+    pytest.param(gradsync.Compression.fp16, np.float16, 1e-3, id="fp16"),
+    pytest.param(gradsync.Compression.bf16, ml_dtypes.bfloat16, 8e-3, id="bf16")])
+def test_16_bit_compression_averages_the_gradients_rounded_to_16_bits(rank, size, compression, dtype,
+                                                                      tolerance):
+    """The reference: each rank's gradient cast to 16 bits, summed in float32, scaled by 1/size,
+    rounded once; decompressed to the parameter's dtype."""
+    net = _toolkit_model()
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                        net.named_parameters(), compression=compression)
+    torch.nn.functional.mse_loss(net(_toolkit_batch(rank, 1)[0]), _toolkit_batch(rank, 1)[1]).backward()
+    opt.synchronize()
+    per_rank = [_local_gradients(_toolkit_model(), r, 1) for r in range(size)]
+    for i, p in enumerate(net.parameters()):
+        total = sum(g[i].numpy().astype(dtype).astype(np.float32) for g in per_rank)
+        want = (total * np.float32(1 / size)).astype(dtype).astype(np.float32)
+        got = p.grad.numpy()
+        assert got.dtype == np.float32, got.dtype
+        assert np.array_equal(got.astype(dtype).astype(np.float32), got), "not rounded to 16 bits"
+        assert np.allclose(got, want, rtol=tolerance, atol=1e-6), (got, want)
+
+
+class _Scaling:
+    """A user compressor: multiplies by 4 before the allreduce and divides after; counts calls."""
+
+    def __init__(self) -> None:
+        self.calls = [0, 0]
+
+    def compress(self, tensor):
+        self.calls[0] += 1
+        return tensor * 4, 4.0
+
+    def decompress(self, tensor, context):
+        self.calls[1] += 1
+        return tensor / context
+
+
+def test_a_user_compressor_is_called_once_per_gradient_each_way(rank, size):
+    compressor = _Scaling()
+    net = _toolkit_model()
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                        net.named_parameters(), compression=compressor)
+    torch.nn.functional.mse_loss(net(_toolkit_batch(rank, 2)[0]), _toolkit_batch(rank, 2)[1]).backward()
+    opt.synchronize()
+    params = len(list(net.parameters()))
+    assert compressor.calls == [params, params]
+    per_rank = [_local_gradients(_toolkit_model(), r, 2) for r in range(size)]
+    for i, p in enumerate(net.parameters()):
+        assert torch.allclose(p.grad, sum(g[i] for g in per_rank) / size, atol=1e-6), i
+
+
+def test_a_compression_without_compress_and_decompress_is_a_type_error():
+    with raises(TypeError, "compress() and decompress()"):
+        gradsync.DistributedOptimizer(torch.optim.SGD(_toolkit_model().parameters(), lr=0.1),
+                                      compression="fp16")
+
+
+# ---- the first step's check that every rank holds the same parameters ----------------------------
+
+class _Capture(logging.Handler):
+    """The "different parameters" warnings of the gradsync logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "different parameters" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings():
+    """The messages of the warnings about different parameters logged during the test."""
+    capture = _Capture()
+    logging.getLogger("gradsync").addHandler(capture)
+    yield capture.messages
+    logging.getLogger("gradsync").removeHandler(capture)
+
+
+def _train(model: torch.nn.Module, steps: int = 2, **kwargs) -> None:
+    optimizer = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              model.named_parameters(), **kwargs)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+
+def test_the_first_step_warns_once_on_rank_0_when_the_ranks_hold_different_parameters(rank, size, warnings):
+    _train(_mlp(seed=rank))  # seeded by rank, not broadcast
+    if rank == 0 and size > 1:
+        assert len(warnings) == 1, warnings  # once: at the first step only
+        assert "4 of 4 differ, e.g. '0.weight', '0.bias', '2.weight'" in warnings[0]
+        assert "gradsync.broadcast_parameters(model.state_dict(), root_rank=0)" in warnings[0]
+    else:
+        assert warnings == []
+
+
+def test_the_first_step_does_not_warn_after_broadcast_parameters(rank, warnings):
+    model = _mlp(seed=rank)
+    gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
+    _train(model)
+    assert warnings == []
+
+
+def test_the_warning_names_the_one_parameter_that_differs(rank, size, warnings):
+    model = _mlp(seed=0)
+    if rank == size - 1:
+        with torch.no_grad():
+            model[2].bias.add_(1e-6)
+    _train(model)
+    if rank == 0 and size > 1:
+        assert len(warnings) == 1 and "1 of 4 differ, e.g. '2.bias'." in warnings[0], warnings
+    else:
+        assert warnings == []
+
+
+def test_a_rank_whose_first_step_comes_after_a_join_does_not_check_alone(rank, size, warnings):
+    """The last rank has no batch in epoch 0: the others have run their check already, so a
+    check of its own would stall."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              model.named_parameters())
+    for epoch in range(2):
+        for _ in range(0 if rank == size - 1 and epoch == 0 else 2):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        gradsync.join()
+    assert warnings == []
+
+
+def test_on_a_process_set_its_first_rank_warns_and_the_fix_names_the_set(rank, size, warnings):
+    if size < 3:
+        pytest.skip("needs a set of two ranks that does not start at rank 0")
+    pair = gradsync.add_process_set([1, 2])
+    pair_id = pair.process_set_id
+    try:
+        if pair.included():
+            _train(_mlp(seed=rank), steps=1, process_set=pair)
+    finally:
+        gradsync.remove_process_set(pair)
+    if rank == 1:
+        assert len(warnings) == 1 and "4 of 4 differ" in warnings[0], warnings
+        assert (f"gradsync.broadcast_parameters(model.state_dict(), root_rank=1, process_set=<this "
+                f"optimizer's ProcessSet(id {pair_id}, ranks [1, 2])>)") in warnings[0], warnings
+    else:
+        assert warnings == []
