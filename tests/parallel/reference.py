@@ -23,8 +23,10 @@ This module imports no deep-learning framework: the torch helpers import torch w
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import zlib
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -179,19 +181,51 @@ def assert_array(got, want: np.ndarray, rtol: float = 0.0, atol: float = 0.0) ->
         np.testing.assert_array_equal(got, want)
 
 
-def assert_rejected_before_sending(error: type[BaseException], call, name: str,
-                                   *fragments: str) -> None:
+def assert_fragments(error: BaseException, *fragments: str) -> None:
+    """``error``'s message holds every fragment."""
+    for fragment in fragments:
+        assert fragment in str(error), f"{fragment!r} not in {str(error)!r}"
+
+
+@contextlib.contextmanager
+def raises(error: type[BaseException], *fragments: str):
+    """``with raises(Error, *fragments):`` the block raises ``Error`` whose message holds every
+    fragment."""
+    with pytest.raises(error) as caught:
+        yield
+    assert_fragments(caught.value, *fragments)
+
+
+def assert_rejected_before_sending(error: type[BaseException], call, name: str, *fragments: str,
+                                   group: bool = False) -> None:
     """``call()`` raises ``error`` whose message holds every fragment, and queued nothing: ``name``
-    is free for an allreduce right after. Every rank is expected to make the same mistake; the
-    allreduce runs before the message is checked, so a rank whose message differs fails without
-    leaving the others waiting for it."""
+    is free right after, for an allreduce (a grouped allreduce with ``group``). Every rank is
+    expected to make the same mistake; the collective runs before the message is checked, so a
+    rank whose message differs fails without leaving the others waiting for it."""
     with pytest.raises(error) as caught:
         call()
     x = np.arange(6, dtype=np.float32)
-    freed = gradsync.allreduce(x, name=name, op=Sum)
-    for fragment in fragments:
-        assert fragment in str(caught.value), f"{fragment!r} not in {str(caught.value)!r}"
+    freed = gradsync.grouped_allreduce([x], name=name, op=Sum)[0] if group else \
+        gradsync.allreduce(x, name=name, op=Sum)
+    assert_fragments(caught.value, *fragments)
     assert_array(freed, x * WORLD_SIZE)
+
+
+@dataclass(frozen=True)
+class Joined:
+    result: object  # what the op returned on this rank (None on the rank that joined)
+    last: int  # what join() returned: the rank that joined last
+
+
+def beside_a_joined_rank(joined: int, op) -> Joined:
+    """Rank ``joined`` joins at once; every other rank runs ``op()`` and joins after it."""
+    if gradsync.rank() == joined:
+        return Joined(None, gradsync.join())
+    try:
+        result = op()
+    finally:
+        last = gradsync.join()  # whatever happened: the joined rank waits for this
+    return Joined(result, last)
 
 
 def to_torch(a: np.ndarray):

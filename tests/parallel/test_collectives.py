@@ -27,8 +27,12 @@ from reference import (
     all_inputs,
     alltoall_splits,
     assert_array,
+    assert_fragments,
+    assert_rejected_before_sending,
     assert_torch_was_never_imported,
+    beside_a_joined_rank,
     dtype_op_params,
+    raises,
     reference_allreduce,
     reference_alltoall,
     rows_of,
@@ -44,11 +48,6 @@ VARIANTS = {
     "tiny-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "3"}, "k": "group or disagree or joined"},
     "no-fusion": {"env": {"GRADSYNC_FUSION_THRESHOLD": "0"}, "k": "group or disagree or joined"},
 }
-
-def _fragments_in(error: BaseException, *fragments: str) -> None:
-    for fragment in fragments:
-        assert fragment in str(error), f"{fragment!r} not in {str(error)!r}"
-
 
 # ---- grouped allreduce ---------------------------------------------------------------------------
 
@@ -108,9 +107,8 @@ def test_grouped_allreduce_async_in_place_writes_each_result_into_its_member(cas
 
 def test_grouped_allreduce_average_of_bool_is_a_type_error_naming_the_member(case, rank):
     mine = [m[rank] for m in _group_inputs(case, "bool", Average)]
-    with pytest.raises(TypeError) as caught:
+    with raises(TypeError, "Average", "bool", repr(case), "member 0", f"rank {rank}"):
         gs.grouped_allreduce(mine, name=case, op=Average)
-    _fragments_in(caught.value, "Average", "bool", repr(case), "member 0", f"rank {rank}")
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -159,9 +157,8 @@ def test_reducescatter_async_handle_gives_this_ranks_rows(case, rank, size, dtyp
 @pytest.mark.parametrize("shape", _RS_SHAPES)
 def test_reducescatter_average_of_bool_is_a_type_error(case, rank, shape):
     inputs = all_inputs(case, "bool", _RS_SHAPES[shape], Average)
-    with pytest.raises(TypeError) as caught:
+    with raises(TypeError, "Average", "bool", repr(case), f"rank {rank}"):
         gs.reducescatter(inputs[rank], name=case, op=Average)
-    _fragments_in(caught.value, "Average", "bool", repr(case), f"rank {rank}")
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -196,9 +193,8 @@ def test_grouped_reducescatter_async_handle_gives_every_members_rows(case, rank,
 
 def test_grouped_reducescatter_average_of_bool_is_a_type_error(case, rank, size):
     mine, _ = _grouped_rs(case, "bool", Sum, rank, size)
-    with pytest.raises(TypeError) as caught:
+    with raises(TypeError, "Average", "bool", repr(case), f"rank {rank}"):
         gs.grouped_reducescatter(mine, name=case, op=Average)
-    _fragments_in(caught.value, "Average", "bool", repr(case), f"rank {rank}")
 
 
 # ---- alltoall ------------------------------------------------------------------------------------
@@ -268,12 +264,7 @@ def test_alltoall_of_a_transposed_input_reusing_its_name_with_new_splits(case, r
 
 def _rejected(error, call, name: str, *fragments: str) -> None:
     """``call()`` raises ``error`` with every fragment; then a group of that name works."""
-    with pytest.raises(error) as caught:
-        call()
-    x = np.arange(6, dtype=np.float32).reshape(3, 2)
-    freed = gs.grouped_allreduce([x], name=name, op=Sum)
-    _fragments_in(caught.value, *fragments)
-    _assert_members(freed, [x * WORLD_SIZE])
+    assert_rejected_before_sending(error, call, name, *fragments, group=True)
 
 
 _X = np.arange(6, dtype=np.float32).reshape(3, 2)
@@ -347,7 +338,7 @@ def test_alltoall_with_bad_splits_fails_before_anything_is_sent(case, rank, size
         gs.alltoall(y, splits, name=case)
     fine = [2] + [1] * (size - 1)
     _, received = gs.alltoall(y, fine, name=case)
-    _fragments_in(caught.value, repr(case), f"rank {rank}", *fragments)
+    assert_fragments(caught.value, repr(case), f"rank {rank}", *fragments)
     assert received.tolist() == ([fine[0]] * size if rank == 0 else [1] * size), "the name is free"
 
 
@@ -359,7 +350,7 @@ def test_alltoall_without_splits_of_rows_not_divisible_by_the_size_is_a_value_er
     with pytest.raises(ValueError) as caught:
         gs.alltoall(y, name=case)
     gs.alltoall(y, [2] + [1] * (size - 1), name=case)  # the name is free
-    _fragments_in(caught.value, "not divisible", f"({rows})", f"({size})", "splits=", repr(case),
+    assert_fragments(caught.value, "not divisible", f"({rows})", f"({size})", "splits=", repr(case),
                   f"rank {rank}")
 
 
@@ -517,50 +508,47 @@ def _joined_contributions(case: str, op, others: list[int]):
     return inputs, [reference_allreduce([m[r] for r in others], op) for m in inputs]
 
 
+def _needs_a_rank_that_does_not_join(size: int) -> None:
+    if size == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+
+
 @pytest.mark.parametrize("op", [Sum, Max, Min, Product], ids=lambda op: op.name)
 def test_a_joined_rank_contributes_the_identity_to_grouped_allreduce_and_reducescatter(case, rank, size, op):
     """The last rank joins; the others run each op twice (in full, then cached)."""
-    if size == 1:
-        pytest.skip("needs a rank that joins and one that does not")
+    _needs_a_rank_that_does_not_join(size)
     others = list(range(size - 1))
-    if rank == size - 1:
-        assert gs.join() in others, "join returns one of the ranks that joined after this one"
-        return
     inputs, wants = _joined_contributions(case, op, others)
-    results = []
-    try:
+
+    def twice():
+        results = []
         for _ in range(2):
             results.append(gs.grouped_allreduce([m[rank].copy() for m in inputs], name=f"{case}.g", op=op))
             results.append([gs.reducescatter(inputs[0][rank].copy(), name=f"{case}.rs", op=op)])
-    finally:
-        last = gs.join()  # whatever happened: the joined rank waits for this
-    for i, got in enumerate(results):
+        return results
+
+    joined = beside_a_joined_rank(size - 1, twice)
+    assert joined.last in others, "join returns one of the ranks that joined after the last"
+    for i, got in enumerate(joined.result or []):
         _assert_members(got, wants if i % 2 == 0 else [wants[0][rows_of(2 * size + 1, rank, size)]])
-    assert last in others
 
 
 def test_a_joined_rank_sends_no_alltoall_rows(case, rank, size):
     """The last rank joins; the others run the alltoall twice (it is never cached)."""
-    if size == 1:
-        pytest.skip("needs a rank that joins and one that does not")
-    others = list(range(size - 1))
-    if rank == size - 1:
-        assert gs.join() in others, "join returns one of the ranks that joined after this one"
-        return
-    results, wants = [], []
-    try:
-        for round_ in range(2):
-            splits = [alltoall_splits(f"{case}.{round_}", r) for r in range(size)]
-            inputs = all_inputs(f"{case}.{round_}", "float64", [(sum(s), 2) for s in splits])
-            splits[size - 1] = [0] * size  # the joined rank sends nothing
-            results.append(gs.alltoall(inputs[rank], splits[rank], name=case))
-            wants.append(reference_alltoall(inputs, splits, rank))
-    finally:
-        last = gs.join()  # whatever happened: the joined rank waits for this
-    for (got, received), (want, want_splits) in zip(results, wants):
+    _needs_a_rank_that_does_not_join(size)
+    rounds = []
+    for round_ in range(2):
+        splits = [alltoall_splits(f"{case}.{round_}", r) for r in range(size)]
+        inputs = all_inputs(f"{case}.{round_}", "float64", [(sum(s), 2) for s in splits])
+        splits[size - 1] = [0] * size  # the joined rank sends nothing
+        rounds.append((inputs, splits))
+    joined = beside_a_joined_rank(size - 1, lambda: [gs.alltoall(inputs[rank], splits[rank], name=case)
+                                                     for inputs, splits in rounds])
+    assert joined.last in range(size - 1), "join returns one of the ranks that joined after the last"
+    for (got, received), (inputs, splits) in zip(joined.result or [], rounds):
+        want, want_splits = reference_alltoall(inputs, splits, rank)
         assert_array(got, want)
         assert received.tolist() == want_splits
-    assert last in others
 
 
 def test_no_test_of_this_file_imported_torch(request):

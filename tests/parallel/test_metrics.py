@@ -8,25 +8,14 @@ tested in test_ops_torch.py).
 
 from __future__ import annotations
 
-import contextlib
 from fractions import Fraction
 
 import numpy as np
 import pytest
-from reference import assert_torch_was_never_imported
+from reference import assert_torch_was_never_imported, raises
 
 import gradsync
 from gradsync import metrics
-
-
-@contextlib.contextmanager
-def raises(error: type[BaseException], *fragments: str):
-    """The block raises ``error`` whose message holds every fragment."""
-    with pytest.raises(error) as caught:
-        yield
-    for fragment in fragments:
-        assert fragment in str(caught.value), f"{fragment!r} not in {str(caught.value)!r}"
-
 
 _OPS = (gradsync.Average, gradsync.Sum, gradsync.Min, gradsync.Max, gradsync.Product)
 

@@ -24,8 +24,10 @@ from reference import (
     WORLD_SIZE,
     all_inputs,
     assert_array,
+    assert_fragments,
     assert_rejected_before_sending,
     assert_torch_was_never_imported,
+    beside_a_joined_rank,
     dtype_op_params,
     make,
     pair_params,
@@ -537,11 +539,6 @@ def test_barrier_returns_only_after_the_last_rank_entered_it(case, rank):
 # free again at once: each test reuses it afterwards (that would fail or hang otherwise). Every
 # rank makes the same mistake, so the ranks stay in step.
 
-def _fragments_in(error: BaseException, *fragments: str) -> None:
-    for fragment in fragments:
-        assert fragment in str(error), f"{fragment!r} not in {str(error)!r}"
-
-
 @pytest.mark.parametrize("bad_root", ["size", -1, 1.0, None], ids=["size", "-1", "1.0", "None"])
 def test_broadcast_from_a_bad_root_is_a_value_error_before_anything_is_sent(case, rank, size, bad_root):
     bad_root = size if bad_root == "size" else bad_root
@@ -620,7 +617,7 @@ def test_reusing_a_name_while_it_is_in_flight_is_a_value_error(case, rank, size)
                     gs.allreduce_async(x, name=case)
                 with pytest.raises(ValueError, match="in flight"):
                     gs.broadcast(x, 0, name=case)
-                _fragments_in(again.value, repr(case), "rank 0")
+                assert_fragments(again.value, repr(case), "rank 0")
         finally:
             MPI.COMM_WORLD.Barrier()  # whatever happened on rank 0: never leave the others here
         if rank != 0:
@@ -633,7 +630,7 @@ def test_reusing_a_name_while_it_is_in_flight_is_a_value_error(case, rank, size)
             assert not gs.poll(handle), "poll is False before the coordinator ran"
             with pytest.raises(ValueError, match="in flight") as again:
                 gs.allreduce_async(x, name=case)
-            _fragments_in(again.value, repr(case))
+            assert_fragments(again.value, repr(case))
         finally:
             sys.setswitchinterval(interval)
     assert_array(gs.synchronize(handle), x * size)
@@ -683,37 +680,26 @@ def test_ranks_that_disagree_get_a_collective_error_listing_every_ranks_value(ca
 
 
 # ---- a joined rank -------------------------------------------------------------------------------
-# Rank 0 joins at once; the others run the op, then join. A joined rank stands in for every op
-# (the identity of the reduction, no allgather rows) until every rank has joined.
+# Rank 0 joins at once; the others run the op, then join (reference.beside_a_joined_rank). A
+# joined rank stands in for every op (the identity of the reduction, no allgather rows) until
+# every rank has joined.
 
 def _needs_a_rank_that_does_not_join(size: int) -> None:
     if size == 1:
         pytest.skip("needs a rank that joins and one that does not")
 
 
-def _others_run(rank: int, op):
-    """Rank 0 joins; the others run ``op()`` and join after it. Returns (op's result or None,
-    join's result)."""
-    if rank == 0:
-        return None, gs.join()
-    try:
-        result = op()
-    finally:
-        last = gs.join()  # whatever happened: rank 0 waits for this
-    return result, last
-
-
 @pytest.mark.parametrize("op", [Sum, Min, Max, Product], ids=lambda op: op.name)
 def test_allreduce_with_a_joined_rank_reduces_over_the_other_ranks(case, rank, size, op):
     _needs_a_rank_that_does_not_join(size)
-    got, _ = _others_run(rank, lambda: gs.allreduce(np.full(3, float(rank)), name=case, op=op))
+    got = beside_a_joined_rank(0, lambda: gs.allreduce(np.full(3, float(rank)), name=case, op=op)).result
     if rank != 0:
         assert_array(got, reference_allreduce([np.full(3, float(r)) for r in range(1, size)], op))
 
 
 def test_allgather_with_a_joined_rank_has_no_rows_from_it(case, rank, size):
     _needs_a_rank_that_does_not_join(size)
-    got, _ = _others_run(rank, lambda: gs.allgather(np.full((1, 2), rank), name=case))
+    got = beside_a_joined_rank(0, lambda: gs.allgather(np.full((1, 2), rank), name=case)).result
     if rank != 0:
         assert got.tolist() == [[r, r] for r in range(1, size)]
 
@@ -726,19 +712,19 @@ def test_a_broadcast_from_a_joined_root_is_a_collective_error_on_the_other_ranks
             gs.broadcast(np.ones(2), root_rank=0, name=case)
         return str(caught.value)
 
-    message, _ = _others_run(rank, broadcast)
+    message = beside_a_joined_rank(0, broadcast).result
     if rank != 0:
         assert message == (f"gradsync: rank {rank}: broadcast {case!r}: its root rank 0 has called join() "
                            "and cannot broadcast")
 
 
-def test_a_barrier_with_a_joined_rank_waits_for_the_other_ranks_only(case, rank, size):
+def test_a_barrier_with_a_joined_rank_waits_for_the_other_ranks_only(case, size):
     _needs_a_rank_that_does_not_join(size)
-    _others_run(rank, lambda: gs.barrier(name=case))
+    beside_a_joined_rank(0, lambda: gs.barrier(name=case))
 
 
-def test_join_returns_the_rank_that_joined_last(rank, size):
-    _, last = _others_run(rank, lambda: None)
+def test_join_returns_the_rank_that_joined_last(size):
+    last = beside_a_joined_rank(0, lambda: None).last
     assert last != 0 or size == 1
     assert last in range(size)
 

@@ -9,7 +9,6 @@ cache: see ``VARIANTS``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import logging
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import pytest
+from reference import raises
 
 import gradsync
 
@@ -32,15 +32,6 @@ VARIANTS = {
                              "k": "join"},
     "join-no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}, "ranks": (3,), "k": "join"},
 }
-
-
-@contextlib.contextmanager
-def raises(error: type[BaseException], *fragments: str):
-    """The block raises ``error`` whose message holds every fragment."""
-    with pytest.raises(error) as caught:
-        yield
-    for fragment in fragments:
-        assert fragment in str(caught.value), f"{fragment!r} not in {str(caught.value)!r}"
 
 
 def model_and_optimizer(seed=0, lr=0.1, **kwargs):
