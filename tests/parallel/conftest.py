@@ -4,7 +4,9 @@ Run a file of this directory under an MPI launcher, as Horovod's test/parallel a
 suite are run::
 
     mpiexec -n 2 python -m pytest tests/parallel/test_ops.py
-    mpiexec -n 4 python -m pytest tests/parallel/test_ops.py::test_allreduce_sum
+    mpiexec -n 4 python -m pytest "tests/parallel/test_ops.py::test_allreduce_leaves_its_input_alone[int8-Max]"
+    mpiexec -n 2 python -m pytest tests/parallel/test_ops.py -k "broadcast and root1"
+    mpiexec -n 2 python -m pytest tests/parallel  # every file in one session (about 10 s)
 
 ``tests/test_parallel.py`` does this for every file here, at the rank counts the file declares in a
 module-level ``RANKS = (1, 2, 4)`` (the default), each job under a timeout (``TIMEOUT = 300``
