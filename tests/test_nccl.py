@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: A recent NCCL for the mapping tests, and one from before ncclAvg / bfloat16 (2.10).
 NEW, OLD = (2, 32, 3), (2, 9, 9)
 
-requires_nccl = pytest.mark.skipif(not nccl.nccl_built(), reason="no NCCL library (pip install gradsync[nccl])")
+requires_nccl = pytest.mark.skipif(not nccl.nccl_built(), reason="no NCCL library (pip install gradsync[nccl-cu12])")
 
 
 def _wheel_installed(name: str) -> bool:
@@ -52,7 +52,8 @@ def loopback_bootstrap():
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (own NCCL cache), with ``env`` added; fail after 60 s."""
     environ = {k: v for k, v in os.environ.items() if k != nccl.ENV_LIBRARY}
-    environ.update(NCCL_SOCKET_IFNAME="lo", **env)
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), environ.get("PYTHONPATH")]))
+    environ.update(NCCL_SOCKET_IFNAME="lo", PYTHONPATH=path, **env)  # this checkout's gradsync
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True,
                           text=True, timeout=60)
 
@@ -212,19 +213,51 @@ def test_a_failed_search_lists_every_place_and_why():
     assert "gradsync-test-no-nccl-cu13 wheel: not installed" in message
     assert "system: ctypes.util.find_library('gradsync_test_no_nccl') found nothing" in message
     assert "system (libgradsync_test_no_nccl.so.2): cannot load library" in message
-    assert "pip install gradsync[nccl]" in message
+    assert "pip install gradsync[nccl-cu12]" in message
 
 
-def test_the_search_order_is_env_cu12_cu13_system():
+def test_the_search_order_is_env_loaded_cu12_cu13_system():
     assert nccl.WHEELS == ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
     message = ""
     try:
-        nccl._search("", ("gradsync-test-a", "gradsync-test-b"), ("gradsync_test_c", "libgradsync_test_c.so"))
+        nccl._search("", ("gradsync-test-a", "gradsync-test-b"), ("gradsync_test_c", "libgradsync_test_c.so"),
+                     loaded="/gradsync-test-loaded/libnccl.so.2")
     except NcclUnavailableError as exc:
         message = str(exc)
-    places = ["GRADSYNC_NCCL_LIBRARY", "gradsync-test-a", "gradsync-test-b", "gradsync_test_c"]
+    places = ["GRADSYNC_NCCL_LIBRARY", f"{nccl.LOADED_SOURCE}: ", "gradsync-test-a", "gradsync-test-b", "gradsync_test_c"]
     positions = [message.index(p) for p in places]
     assert positions == sorted(positions), message
+
+
+@requires_nccl
+def test_an_nccl_already_loaded_in_the_process_is_taken_and_logged():
+    # torch's CUDA builds load their NCCL at import; loading another file beside it would put two
+    # NCCLs in one process. Here ctypes stands in for torch.
+    path = nccl.load_library().path
+    result = run_python(f"""
+        import ctypes, json, logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("gradsync").setLevel(logging.INFO)
+        ctypes.CDLL({path!r})
+        from gradsync import nccl
+        lib = nccl.load_library()
+        print(json.dumps({{"source": lib.source, "path": lib.path}}))
+    """)
+    info = last_json(result)
+    assert info["source"] == nccl.LOADED_SOURCE, info
+    assert Path(info["path"]).resolve() == Path(path).resolve()
+    assert f"gradsync: NCCL {'.'.join(map(str, nccl.version()))} from {info['path']} " \
+           f"({nccl.LOADED_SOURCE})" in result.stderr, result.stderr
+
+
+def test_a_loaded_file_is_found_by_its_mapped_path(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 2 /torch/site-packages/nvidia/nccl/lib/libnccl.so.2\n")
+    assert nccl.loaded_library(nccl.LOADED_PATTERN, str(maps)) == \
+        "/torch/site-packages/nvidia/nccl/lib/libnccl.so.2"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5\n"
+                    "7f00-7f01 r-xp 0 08:01 2 /usr/lib/libnccl-net.so\n")
+    assert nccl.loaded_library(nccl.LOADED_PATTERN, str(maps)) == "/usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5"
 
 
 def test_the_binding_imports_no_framework():
@@ -363,22 +396,28 @@ SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 
 
 @pytest.mark.parametrize("op, dtype, version, expected", [
-    (ReduceOp.Sum, "float32", NEW, (SUM, False)),
-    (ReduceOp.Product, "float32", NEW, (PROD, False)),
-    (ReduceOp.Max, "int64", NEW, (MAX, False)),
-    (ReduceOp.Min, "float16", NEW, (MIN, False)),
-    (ReduceOp.Average, "float32", NEW, (AVG, False)),
-    (ReduceOp.Average, "bfloat16", NEW, (AVG, False)),
-    (ReduceOp.Average, "float32", OLD, (SUM, True)),    # no ncclAvg before 2.10
-    (ReduceOp.Average, "int32", NEW, (SUM, True)),      # integer Average is floor(sum / size)
-    (ReduceOp.Sum, "bool", NEW, (MAX, False)),          # logical or
-    (ReduceOp.Max, "bool", NEW, (MAX, False)),
-    (ReduceOp.Min, "bool", NEW, (MIN, False)),          # logical and
-    (ReduceOp.Product, "bool", NEW, (MIN, False)),
-    (int(ReduceOp.Sum), "int8", NEW, (SUM, False)),     # a plain int is accepted as a ReduceOp
+    (ReduceOp.Sum, "float32", NEW, SUM),
+    (ReduceOp.Product, "float32", NEW, PROD),
+    (ReduceOp.Max, "int64", NEW, MAX),
+    (ReduceOp.Min, "float16", NEW, MIN),
+    (ReduceOp.Average, "float32", NEW, AVG),
+    (ReduceOp.Average, "bfloat16", NEW, AVG),
+    (ReduceOp.Sum, "bool", NEW, MAX),          # logical or
+    (ReduceOp.Max, "bool", NEW, MAX),
+    (ReduceOp.Min, "bool", NEW, MIN),          # logical and
+    (ReduceOp.Product, "bool", NEW, MIN),
+    (int(ReduceOp.Sum), "int8", NEW, SUM),     # a plain int is accepted as a ReduceOp
 ])
 def test_op_mapping(op, dtype, version, expected):
     assert nccl.nccl_op(op, dtype, version) == expected
+
+
+@pytest.mark.parametrize("dtype, version, averages", [
+    ("float32", NEW, True), ("float16", NEW, True), ("float32", OLD, False),  # ncclAvg from 2.10
+    ("int32", NEW, False),  # ncclAvg would truncate in int32; gradsync takes the floor of the mean
+])
+def test_which_averages_nccl_computes_itself(dtype, version, averages):
+    assert nccl.averages(dtype, version) is averages
 
 
 def test_op_mapping_rejections():
@@ -386,6 +425,10 @@ def test_op_mapping_rejections():
         nccl.nccl_op(ReduceOp.Average, "bool", NEW)
     with pytest.raises(TypeError, match="16-bit integer"):
         nccl.nccl_op(ReduceOp.Sum, "int16", NEW)
+    with pytest.raises(TypeError, match="has no average for int32: reduce with Sum and divide"):
+        nccl.nccl_op(ReduceOp.Average, "int32", NEW)
+    with pytest.raises(TypeError, match="has no average for float32"):
+        nccl.nccl_op(ReduceOp.Average, "float32", OLD)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -454,14 +497,13 @@ def test_gpu_communicator_properties(gpu_comm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, op", [("float32", ReduceOp.Sum), ("float32", ReduceOp.Average),
-                                       ("int32", ReduceOp.Average), ("float16", ReduceOp.Max),
+                                       ("int32", ReduceOp.Sum), ("float16", ReduceOp.Max),
                                        ("bool", ReduceOp.Sum)])
 def test_gpu_allreduce_world_of_one(gpu_comm, dtype, op):
     device, comm = gpu_comm
     data = (np.arange(10) % 2).astype(dtype) if dtype == "bool" else np.arange(10).astype(dtype)
     send, recv = device.upload(data), device.upload(np.zeros_like(data))
-    divisor = comm.allreduce(device.pointer(send), device.pointer(recv), data.size, dtype, op, device.stream())
-    assert divisor == (comm.size if (op == ReduceOp.Average and dtype == "int32") else 1)
+    comm.allreduce(device.pointer(send), device.pointer(recv), data.size, dtype, op, device.stream())
     np.testing.assert_array_equal(device.download(recv), data)
 
 

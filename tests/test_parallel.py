@@ -2,10 +2,10 @@
 
 A file declares the rank counts it runs at in a module-level ``RANKS = (1, 2, 4)`` (the default)
 and, when it needs more than the default 300 s, ``TIMEOUT = <seconds>``. A file that needs torch
-sets ``pytestmark = pytest.mark.torch``; its jobs are then marked torch here too, so they skip
-where torch is not installed. A file's ``VARIANTS`` add jobs with more environment variables, at
-their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py). See
-tests/parallel/conftest.py for what each job guarantees.
+sets ``pytestmark = pytest.mark.torch`` (or ``jax``); its jobs are then marked so here too, so they
+skip where torch (jax) is not installed. A file's ``VARIANTS`` add jobs with more environment
+variables, at their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py).
+See tests/parallel/conftest.py for what each job guarantees.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
 def _jobs():
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
-        if re.search(r"^pytestmark\s*=.*pytest\.mark\.torch", path.read_text(), re.M):
-            marks.append(pytest.mark.torch)
+        for framework in ("torch", "jax"):
+            if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
+                marks.append(getattr(pytest.mark, framework))
         plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
         for job_id, job in plain + _variant_jobs(path):
             yield pytest.param(job, id=job_id, marks=marks)

@@ -9,13 +9,17 @@ Where the library is looked for, in order (the first that loads wins):
 
 1. ``GRADSYNC_NCCL_LIBRARY``: the path of libnccl.so.2 (or of its directory). When set, it is the only
    place looked at: a wrong path is an error, never a silent fall-back to another NCCL.
-2. the ``nvidia-nccl-cu12`` wheel (``pip install gradsync[nccl]``),
-3. the ``nvidia-nccl-cu13`` wheel,
-4. the system: ``ctypes.util.find_library("nccl")``, then ``libnccl.so.2`` through the dynamic loader
+2. a libnccl.so.2 this process has already loaded: a CUDA build of torch loads the NCCL it was
+   built with (the ``nvidia-nccl-cu13`` wheel for CUDA 13) at ``import torch``. Taking that one keeps
+   a second, possibly incompatible NCCL out of the process.
+3. the ``nvidia-nccl-cu12`` wheel (``pip install gradsync[nccl-cu12]``),
+4. the ``nvidia-nccl-cu13`` wheel (``pip install gradsync[nccl-cu13]``),
+5. the system: ``ctypes.util.find_library("nccl")``, then ``libnccl.so.2`` through the dynamic loader
    (``LD_LIBRARY_PATH``, ld.so.cache).
 
-The library is loaded once per process, on first use (:func:`load_library`); it loads and answers
-:func:`version` and :func:`unique_id` without a GPU. Creating a communicator needs a CUDA device.
+The library is loaded once per process, on first use (:func:`load_library`), and the ``gradsync``
+logger says at INFO level which one was taken; it loads and answers :func:`version` and
+:func:`unique_id` without a GPU. Creating a communicator needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.resources
+import logging
 import operator
 import os
 from collections.abc import Iterator
@@ -34,11 +39,14 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import NcclError, NcclUnavailableError
+from .libraries import loaded_library
 from .protocol import ReduceOp
+
+log = logging.getLogger("gradsync")
 
 __all__ = [
     "ENV_LIBRARY", "Library", "load_library", "version", "decode_version", "unique_id",
-    "Communicator", "group", "check", "nccl_dtype", "nccl_op", "nccl_built", "nccl_version",
+    "Communicator", "group", "check", "nccl_dtype", "nccl_op", "averages", "nccl_built", "nccl_version",
     "NcclError", "NcclUnavailableError",
 ]
 
@@ -47,7 +55,12 @@ ENV_LIBRARY = "GRADSYNC_NCCL_LIBRARY"
 LIBRARY_NAME = "libnccl.so.2"
 #: pip distributions that ship libnccl.so.2, in the order they are looked at.
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
+#: A mapped file that is an NCCL: libnccl.so.2, or the versioned file it links to.
+LOADED_PATTERN = r"/libnccl\.so\.2(\.[\d.]+)?$"
+LOADED_SOURCE = "already loaded in this process"
 UNIQUE_ID_BYTES = 128
+#: ncclRemoteError: a peer exited or its network failed.
+REMOTE_ERROR = 6
 
 #: NCCL version that added ncclAvg and ncclBfloat16.
 _AVG_AND_BF16 = (2, 10, 0)
@@ -175,12 +188,14 @@ def _wheel_paths(distribution: str) -> list[str] | str:
     return [os.path.join(p, "lib", LIBRARY_NAME) for p in nvidia.nccl.__path__]
 
 
-def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | None) -> Library:
+def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | None,
+            loaded: str | None = None) -> Library:
     """Load the first NCCL found (module docstring order); raise NcclUnavailableError listing all tries.
 
-    ``explicit`` is the value of GRADSYNC_NCCL_LIBRARY ('' when unset), ``wheels`` the pip
-    distributions to look in, ``system`` the (find_library name, soname) pair of the system search, or
-    None to skip it. Parameters, so that tests can search places that do not exist.
+    ``explicit`` is the value of GRADSYNC_NCCL_LIBRARY ('' when unset), ``loaded`` the path of an NCCL
+    this process already mapped (None: none), ``wheels`` the pip distributions to look in, ``system``
+    the (find_library name, soname) pair of the system search, or None to skip it. Parameters, so
+    that tests can search places that do not exist.
     """
     ffi = _ffi()
     tried: list[str] = []
@@ -196,6 +211,10 @@ def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | No
         raise NcclUnavailableError(_not_found(tried, f"no other place was searched because {ENV_LIBRARY} "
                                                      "is set; unset it to search the wheels and the system"))
     tried.append(f"{ENV_LIBRARY}: not set")
+    if loaded is None:
+        tried.append(f"{LOADED_SOURCE}: none")
+    elif (library := _open(ffi, LOADED_SOURCE, loaded, tried)) is not None:
+        return library
     for wheel in wheels:
         paths = _wheel_paths(wheel)
         if isinstance(paths, str):
@@ -214,9 +233,9 @@ def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | No
         for name in dict.fromkeys(n for n in (found, soname) if n):
             if (library := _open(ffi, f"system ({name})", name, tried)) is not None:
                 return library
-    raise NcclUnavailableError(_not_found(tried, f"install it with `pip install gradsync[nccl]` (CUDA 12; "
-                                                 f"nvidia-nccl-cu13 for CUDA 13) or set {ENV_LIBRARY} "
-                                                 "to the path of libnccl.so.2"))
+    raise NcclUnavailableError(_not_found(tried, "install it with `pip install gradsync[nccl-cu12]` "
+                                                 "(CUDA 12) or gradsync[nccl-cu13] (CUDA 13) or set "
+                                                 f"{ENV_LIBRARY} to the path of libnccl.so.2"))
 
 
 def _not_found(tried: list[str], advice: str) -> str:
@@ -232,7 +251,10 @@ def load_library() -> Library:
     Raises:
         NcclUnavailableError: no place had a loadable NCCL; the message lists each place and why.
     """
-    return _search(os.environ.get(ENV_LIBRARY, ""), WHEELS, ("nccl", LIBRARY_NAME))
+    library = _search(os.environ.get(ENV_LIBRARY, ""), WHEELS, ("nccl", LIBRARY_NAME),
+                      loaded_library(LOADED_PATTERN))
+    log.info("gradsync: NCCL %s from %s (%s)", _dotted(library.version), library.path, library.source)
+    return library
 
 
 def nccl_built() -> bool:
@@ -319,17 +341,23 @@ def nccl_dtype(dtype: str, nccl: tuple[int, int, int] | None = None) -> int:
     return _const(_DTYPES[dtype])
 
 
-def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) -> tuple[int, bool]:
-    """The ``ncclRedOp_t`` for ``op`` on ``dtype`` tensors, and whether the caller must still divide.
+def averages(dtype: str, nccl: tuple[int, int, int] | None = None) -> bool:
+    """Whether NCCL (version ``nccl``, default: the loaded one) averages ``dtype`` itself: ncclAvg,
+    floating-point dtypes from NCCL 2.10 on. It divides by the communicator's size."""
+    return dtype in _FLOATING and (nccl or version()) >= _AVG_AND_BF16
 
-    Returns ``(nccl_red_op, divide)``. ``divide`` is True only for ``Average`` computed as ``ncclSum``:
-    the caller divides the result by the number of ranks. That happens for integer dtypes (ncclAvg
-    would truncate in the tensor's own dtype, and gradsync's integer Average is the floor of the exact
-    mean, computed in a wide accumulator) and for NCCL older than 2.10, which has no ncclAvg.
+
+def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) -> int:
+    """The ``ncclRedOp_t`` for ``op`` on ``dtype`` tensors, for NCCL version ``nccl``.
+
+    ``Average`` is ncclAvg, where NCCL has it for ``dtype`` (:func:`averages`); elsewhere reduce
+    with Sum and divide (gradsync's fusion plan does: its integer Average is the floor of the exact
+    mean, which ncclAvg, truncating in the tensor's own dtype, would not give).
     bool: Sum and Max are logical or (ncclMax on 0/1), Min and Product logical and (ncclMin).
 
     Raises:
-        TypeError: Average of bool, or an unsupported dtype (see :func:`nccl_dtype`).
+        TypeError: Average of bool, Average that this NCCL does not compute for ``dtype``, or an
+            unsupported dtype (see :func:`nccl_dtype`).
     """
     op = ReduceOp(op)
     nccl_dtype(dtype, nccl)
@@ -337,12 +365,13 @@ def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) 
         if op == ReduceOp.Average:
             raise TypeError("op=Average is not defined for bool tensors; use Sum (logical or) or "
                             "Min (logical and)")
-        return _const(_BOOL_OPS[op]), False
+        return _const(_BOOL_OPS[op])
     if op == ReduceOp.Average:
-        if dtype in _FLOATING and (nccl or version()) >= _AVG_AND_BF16:
-            return _const("ncclAvg"), False
-        return _const("ncclSum"), True
-    return _const(_OPS[op]), False
+        if averages(dtype, nccl):
+            return _const("ncclAvg")
+        raise TypeError(f"NCCL {_dotted(nccl or version())} has no average for {dtype}: reduce with "
+                        "Sum and divide the result")
+    return _const(_OPS[op])
 
 
 def _dotted(v: tuple[int, int, int]) -> str:
@@ -494,18 +523,14 @@ class Communicator:
                 ffi.cast("cudaStream_t", operator.index(stream)))
 
     def allreduce(self, sendptr: int, recvptr: int, count: int, dtype: str, op: ReduceOp,
-                  stream: int) -> int:
-        """ncclAllReduce of ``count`` elements (in place when ``sendptr == recvptr``).
-
-        Returns the number the caller must still divide the result by: 1, or the number of ranks when
-        ``op`` is Average and NCCL ran it as Sum (see :func:`nccl_op`).
-        """
-        red_op, divide = nccl_op(op, dtype, self._library.version)
+                  stream: int) -> None:
+        """ncclAllReduce of ``count`` elements (in place when ``sendptr == recvptr``); ``op`` as
+        :func:`nccl_op` maps it (Average only where NCCL averages ``dtype``)."""
+        red_op = nccl_op(op, dtype, self._library.version)
         (send, recv), count, datatype, comm, cuda_stream = self._args(
             "ncclAllReduce", (sendptr, recvptr), count, dtype, stream)
         self._check(self._library.lib.ncclAllReduce(send, recv, count, datatype, red_op, comm, cuda_stream),
                     "ncclAllReduce")
-        return self.size if divide else 1
 
     def broadcast(self, sendptr: int, recvptr: int, count: int, dtype: str, root: int, stream: int) -> None:
         """ncclBroadcast of ``count`` elements from ``root``'s ``sendptr`` into every ``recvptr``."""
@@ -523,15 +548,14 @@ class Communicator:
                     "ncclAllGather")
 
     def reducescatter(self, sendptr: int, recvptr: int, recvcount: int, dtype: str, op: ReduceOp,
-                      stream: int) -> int:
+                      stream: int) -> None:
         """ncclReduceScatter: reduce ``sendptr`` (size x recvcount) and leave block ``rank`` in
-        ``recvptr``. Returns the divisor still to apply, as :meth:`allreduce`."""
-        red_op, divide = nccl_op(op, dtype, self._library.version)
+        ``recvptr``; ``op`` as :meth:`allreduce`."""
+        red_op = nccl_op(op, dtype, self._library.version)
         (send, recv), count, datatype, comm, cuda_stream = self._args(
             "ncclReduceScatter", (sendptr, recvptr), recvcount, dtype, stream)
         self._check(self._library.lib.ncclReduceScatter(send, recv, count, datatype, red_op, comm,
                                                         cuda_stream), "ncclReduceScatter")
-        return self.size if divide else 1
 
     def send(self, sendptr: int, count: int, dtype: str, peer: int, stream: int) -> None:
         """ncclSend of ``count`` elements to ``peer`` (pair it with the peer's recv, inside :func:`group`

@@ -1,4 +1,4 @@
-"""The process's gradsync runtime: init/shutdown, rank and topology, launcher detection.
+"""The process's gradsync runtime: init/shutdown, rank and topology.
 
 ``init()`` creates the one :class:`Runtime` object that holds every piece of process state (the
 coordinator thread, its communicator, the configuration); ``shutdown()`` tears it down. No other
@@ -11,101 +11,29 @@ import atexit
 import dataclasses
 import logging
 import os
-import shutil
 import sys
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .backends.mpi import MpiBackend
+from . import launch
 from .config import Config
-from .coordinator import Coordinator
 from .errors import GradsyncError, NotInitializedError
-from .process_sets import ProcessSet, global_process_set
+
+if TYPE_CHECKING:  # imported by init() only: they import mpi4py.MPI, which initialises MPI
+    from .backends.mpi import MpiBackend
+    from .coordinator import Coordinator
 
 log = logging.getLogger("gradsync")
 
 
 @dataclasses.dataclass(frozen=True)
-class Launcher:
-    """The launcher found in the environment and the number of processes it says it started.
+class ProcessSetState:
+    """One registered process set on this rank: the :class:`~gradsync.ProcessSet` object (None for
+    the global set, which is every rank), its coordinator (None where this rank is not a member)
+    and its communicator (None likewise)."""
 
-    ``kind`` is ``"mpiexec"`` (mpirun/mpiexec of some MPI), ``"srun"`` (a SLURM job step) or
-    ``"none"`` (a plain process); ``name`` says which launcher in words.
-    """
-
-    name: str
-    expected_size: int | None
-    kind: str = "none"
-
-
-def _int_or_none(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
-    """Which launcher started this process, from its environment variables.
-
-    Recognises Open MPI's ``mpirun`` (OMPI_COMM_WORLD_SIZE), Hydra's ``mpiexec`` (MPICH, Intel
-    MPI: PMI_SIZE with MPI_LOCALNRANKS), and SLURM ``srun`` job steps (SLURM_STEP_NUM_TASKS) with
-    the PMI plugin it used (pmi2: PMI_SIZE, pmix: PMIX_RANK, or none). A SLURM batch script
-    itself (SLURM_NTASKS without a job step) counts as a plain process: only srun starts tasks.
-    Returns ``Launcher("none", None)`` for a plain process.
-    """
-    env = os.environ if environ is None else environ
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        return Launcher("Open MPI mpirun/mpiexec", _int_or_none(env["OMPI_COMM_WORLD_SIZE"]),
-                        "mpiexec")
-    in_srun_step = "SLURM_STEP_NUM_TASKS" in env
-    if "PMI_SIZE" in env:
-        # Hydra also runs under SLURM (its proxies are srun tasks); it sets MPI_LOCALNRANKS, srun not.
-        if in_srun_step and "MPI_LOCALNRANKS" not in env:
-            return Launcher("srun --mpi=pmi2", _int_or_none(env["PMI_SIZE"]), "srun")
-        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", _int_or_none(env["PMI_SIZE"]), "mpiexec")
-    if in_srun_step:
-        plugin = "--mpi=pmix" if "PMIX_RANK" in env else "without a PMI plugin (--mpi=none)"
-        return Launcher(f"srun {plugin}", _int_or_none(env["SLURM_STEP_NUM_TASKS"]), "srun")
-    return Launcher("none", None)
-
-
-def launcher_mismatch(launcher: Launcher, world_size: int,
-                      vendor: tuple[str, tuple[int, ...]]) -> str | None:
-    """The error message when the launcher started several processes but MPI sees a world of 1.
-
-    That happens when the launcher and the MPI library do not speak the same process-management
-    interface (Open MPI under ``srun --mpi=pmi2``, any MPI under ``srun --mpi=none``, one MPI's
-    mpiexec starting a program linked to another): every process initialises MPI alone and would
-    train alone. ``vendor`` is ``MPI.get_vendor()``, e.g. ``("Open MPI", (5, 0, 11))``. Returns None
-    when there is no such mismatch.
-    """
-    expected = launcher.expected_size
-    if expected is None or expected <= 1 or world_size != 1:
-        return None
-    name, version = vendor
-    problem = (f"gradsync: {launcher.name} started {expected} processes, but MPI "
-               f"({name} {'.'.join(map(str, version))}) sees a world of 1 in each: every process "
-               "would train alone. ")
-    if launcher.kind == "srun":
-        plugin, others = (("pmix", "MPICH and Intel MPI use --mpi=pmi2") if name == "Open MPI"
-                          else ("pmi2", "Open MPI uses --mpi=pmix"))
-        return problem + (f"Start it with `srun --mpi={plugin}`, the plugin for {name} ({others}; "
-                          "`srun --mpi=list` lists this SLURM's plugins).")
-    beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    where = f" ({beside})" if beside else ""
-    example = f"{beside or 'mpiexec'} -n {expected} {sys.executable} ..."
-    return problem + (
-        f"The launcher belongs to another MPI: launch with the mpiexec of {name}{where}, "
-        f"e.g. `{example}`.")
-
-
-def _warn_if_batch_script_without_srun(launcher: Launcher, world_size: int) -> None:
-    tasks = _int_or_none(os.environ.get("SLURM_NTASKS", ""))
-    if launcher.kind == "none" and world_size == 1 and tasks is not None and tasks > 1:
-        log.warning("gradsync: SLURM allocated %d tasks (SLURM_NTASKS) but this process was not "
-                    "started by srun, so it trains alone; start it with `srun --mpi=pmix` (Open "
-                    "MPI) or `srun --mpi=pmi2` (MPICH) in the job script", tasks)
+    process_set: Any
+    coordinator: Coordinator | None
+    comm: Any
 
 
 class Runtime:
@@ -114,9 +42,12 @@ class Runtime:
     def __init__(self, config: Config, world) -> None:
         from mpi4py import MPI
 
+        from .coordinator import Coordinator
+        from .executors.device import GpuClaims
+
         self.config = config
         self.pid = os.getpid()
-        self.launcher = detect_launcher()
+        self.launcher = launch.detect_launcher()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
         # Topology: the ranks sharing this host's memory, and the ranks of equal local rank.
@@ -129,10 +60,11 @@ class Runtime:
         self.control = world.Dup()
         self.backend = self._data_backend(local, cross)
         self._unnamed: dict[tuple[int, str], int] = {}
-        self.coordinator = Coordinator(self.comm, config, backend=self.backend)
-        # id -> (set, its coordinator on this rank or None when not a member, its communicator)
-        self.process_sets: dict[int, tuple[ProcessSet, Coordinator | None, Any]] = {
-            0: (global_process_set, self.coordinator, self.comm)}
+        self.gpu_claims = GpuClaims()  # which process set drives NCCL on each GPU
+        self.coordinator = Coordinator(self.comm, config, backend=self.backend,
+                                       gpu_claims=self.gpu_claims)
+        self.process_sets: dict[int, ProcessSetState] = {
+            0: ProcessSetState(None, self.coordinator, self.comm)}
         self._next_set_id = 1
         self.coordinator.neighbours = self._coordinators
         log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
@@ -142,6 +74,8 @@ class Runtime:
     def _data_backend(self, local, cross) -> MpiBackend:
         """The coordinator's data mover. A hierarchical allreduce keeps ``local`` and, on local rank
         0, ``cross``: from here on only the coordinator thread uses them, and shutdown frees them."""
+        from .backends.mpi import MpiBackend
+
         if not self.config.hierarchical_allreduce:
             local.Free()
             cross.Free()
@@ -152,7 +86,8 @@ class Runtime:
         return MpiBackend(self.comm, local=local, cross=cross)
 
     def _coordinators(self) -> list[Coordinator]:
-        return [state[1] for state in list(self.process_sets.values()) if state[1] is not None]
+        return [state.coordinator for state in list(self.process_sets.values())
+                if state.coordinator is not None]
 
     def auto_name(self, kind: str, process_set_id: int = 0) -> str:
         """A name for an unnamed collective: the kind and how many unnamed ones of it came before
@@ -162,27 +97,37 @@ class Runtime:
         self._unnamed[key] = count + 1
         return f"{kind}.noname.{count}"
 
-    def coordinator_for(self, process_set: ProcessSet, where: str) -> Coordinator:
+    def _state(self, process_set: Any) -> ProcessSetState | None:
+        """The registration of ``process_set`` (a :class:`~gradsync.ProcessSet`), or None."""
+        ident = process_set.process_set_id
+        state = self.process_sets.get(ident) if ident is not None else None
+        if state is None or (ident != 0 and state.process_set is not process_set):
+            return None
+        return state
+
+    def coordinator_for(self, process_set: Any, where: str) -> Coordinator:
         """The coordinator that runs collectives on ``process_set`` on this rank.
 
         Raises:
             ValueError: the set is not registered, or this rank is not a member (``where`` starts
                 the message, naming the op and tensor).
         """
-        ident = process_set.process_set_id
-        state = self.process_sets.get(ident) if ident is not None else None
-        if state is None or state[0] is not process_set:
+        state = self._state(process_set)
+        if state is None:
             raise ValueError(f"{where}: {process_set} is not registered: call "
                              "gradsync.add_process_set() on every rank first")
-        if state[1] is None:
+        if state.coordinator is None:
             raise ValueError(f"{where}: rank {self.rank} is not a member of {process_set}; only its "
                              "members may run collectives on it (guard the call with "
                              "`if process_set.included():`)")
-        return state[1]
+        return state.coordinator
 
-    def add_process_set(self, process_set: ProcessSet) -> ProcessSet:
-        """See :func:`gradsync.add_process_set`."""
+    def add_process_set(self, process_set: Any) -> Any:
+        """See :func:`gradsync.add_process_set` (``process_set``: a :class:`~gradsync.ProcessSet`)."""
         from mpi4py import MPI
+
+        from .backends.mpi import MpiBackend
+        from .coordinator import Coordinator
 
         where = f"gradsync: rank {self.rank}: add_process_set"
         if process_set.process_set_id is not None:
@@ -195,7 +140,8 @@ class Runtime:
         if outside:
             raise ValueError(f"{where}: ranks {outside} of {process_set.ranks} are not ranks of this "
                              f"job (0 .. {self.size - 1})")
-        for other, _, _ in self.process_sets.values():
+        for state in list(self.process_sets.values())[1:]:
+            other = state.process_set
             if other.ranks == process_set.ranks:
                 raise ValueError(f"{where}: {other} already has the ranks {process_set.ranks}")
         member = self.rank in process_set.ranks
@@ -205,20 +151,21 @@ class Runtime:
         coordinator = None
         if member:
             coordinator = Coordinator(comm, self.config, backend=MpiBackend(comm),
-                                      world_ranks=list(process_set.ranks), process_set_id=ident)
+                                      world_ranks=list(process_set.ranks), process_set_id=ident,
+                                      gpu_claims=self.gpu_claims)
             coordinator.neighbours = self._coordinators
         process_set.process_set_id = ident
-        self.process_sets[ident] = (process_set, coordinator, comm)
+        self.process_sets[ident] = ProcessSetState(process_set, coordinator, comm)
         return process_set
 
-    def remove_process_set(self, process_set: ProcessSet) -> None:
+    def remove_process_set(self, process_set: Any) -> None:
         """See :func:`gradsync.remove_process_set`."""
         where = f"gradsync: rank {self.rank}: remove_process_set"
         ident = process_set.process_set_id
         if ident == 0:
             raise ValueError(f"{where}: the global process set cannot be removed")
-        state = self.process_sets.get(ident) if ident is not None else None
-        if state is None or state[0] is not process_set:
+        state = self._state(process_set)
+        if state is None:
             raise ValueError(f"{where}: {process_set} is not registered")
         everyone = self.control.allgather(ident)
         if any(other != ident for other in everyone):
@@ -226,13 +173,13 @@ class Runtime:
             raise ValueError(f"{where}: ranks removed different process sets (ids): {listed}")
         del self.process_sets[ident]
         process_set.process_set_id = None
-        _stop_coordinator(self, state[1], state[2], None)
+        _stop_coordinator(self, state.coordinator, state.comm, None)
 
 
 _runtime: Runtime | None = None
 
 
-def init(comm: Any = None, process_sets: list[ProcessSet] | None = None, **settings: Any) -> None:
+def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: Any) -> None:
     """Initialise gradsync: start MPI (if needed) and the background coordinator thread.
 
     Call once per process, before any other gradsync function; a second call is a no-op. Works
@@ -248,9 +195,16 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | None = None, **setti
             without prefix, e.g. ``fusion_threshold=4 << 20`` (bytes), ``cycle_time=2.0`` (ms);
             see docs/configuration.md.
 
+    Rank 0 logs one line: the number of ranks and hosts, the MPI library and the launcher; at
+    WARNING level for one rank started without a launcher (it trains alone), at INFO otherwise, on
+    the ``gradsync.launch`` logger, which shows INFO by default (docs/launching.md).
+
     Raises:
         TypeError: an unknown setting.
         ValueError: a setting that does not parse.
+        LaunchError: the launcher and the MPI library mpi4py loads cannot work together, found
+            before ``MPI_Init`` (see :func:`gradsync.launch.diagnose`; the message names both and
+            the fix).
         GradsyncError: MPI does not provide MPI_THREAD_MULTIPLE, or the launcher started N
             processes but MPI sees a world of 1 (a launcher/MPI mismatch; the message says the fix).
     """
@@ -259,27 +213,27 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | None = None, **setti
         return
     config = Config.resolve(settings)
     _configure_logging(config.log_level)
-    from mpi4py import MPI
-
+    MPI = launch.start_mpi()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise GradsyncError(
             "gradsync needs MPI_THREAD_MULTIPLE (its coordinator thread calls MPI while your code "
             f"may too), but MPI was initialised with thread level {MPI.Query_thread()}; do not set "
             "mpi4py.rc.thread_level, or initialise MPI with MPI_THREAD_MULTIPLE")
     world = MPI.COMM_WORLD if comm is None else comm
-    launcher = detect_launcher()
+    launcher, library = launch.detect_launcher(), launch.mpi_library(MPI)
     if comm is None:
-        mismatch = launcher_mismatch(launcher, world.Get_size(), MPI.get_vendor())
+        mismatch = launch.launcher_mismatch(launcher, world.Get_size(), library)
         if mismatch:
             raise GradsyncError(mismatch)
-        _warn_if_batch_script_without_srun(launcher, world.Get_size())
+        launch.warn_if_batch_script_without_srun(launcher, world.Get_size())
     _runtime = Runtime(config, world)
     atexit.unregister(shutdown)
     atexit.register(shutdown)
     for process_set in process_sets or ():
         _runtime.add_process_set(process_set)
-    log.debug("gradsync: rank %d of %d initialised (%s)", _runtime.rank, _runtime.size,
-              launcher.name)
+    if _runtime.rank == 0:  # rank 0 has local rank 0: its cross communicator has one rank per host
+        level, line = launch.launch_line(_runtime.size, _runtime.cross_size, library, launcher)
+        logging.getLogger("gradsync.launch").log(level, "%s", line)
 
 
 class _RankFilter(logging.Filter):
@@ -292,9 +246,13 @@ class _RankFilter(logging.Filter):
 
 def _configure_logging(level: str) -> None:
     """Set the gradsync logger's level; give it a stderr handler with the rank if nobody configured
-    logging (otherwise INFO and DEBUG messages would go nowhere)."""
+    logging (otherwise INFO and DEBUG messages would go nowhere). The ``gradsync.launch`` logger (the
+    start-up line) shows INFO too unless the level is above WARNING."""
     logger = logging.getLogger("gradsync")
     logger.setLevel(level.upper())
+    threshold = logger.level
+    logging.getLogger("gradsync.launch").setLevel(
+        threshold if threshold > logging.WARNING else min(threshold, logging.INFO))
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.addFilter(_RankFilter())
@@ -321,13 +279,14 @@ def shutdown() -> None:
     runtime, _runtime = _runtime, None
     if runtime is None or runtime.pid != os.getpid():
         return
-    failures = [state[1].failure for state in runtime.process_sets.values()
-                if state[1] is not None and state[1].failure is not None]
+    failures = [state.coordinator.failure for state in runtime.process_sets.values()
+                if state.coordinator is not None and state.coordinator.failure is not None]
     if failures:
         _abort(runtime, failures[0])
-    for ident, (process_set, coordinator, comm) in sorted(runtime.process_sets.items(), reverse=True):
-        process_set.process_set_id = None if ident else 0
-        _stop_coordinator(runtime, coordinator, comm, runtime.backend if ident == 0 else None)
+    for ident, state in sorted(runtime.process_sets.items(), reverse=True):
+        if ident:
+            state.process_set.process_set_id = None
+        _stop_coordinator(runtime, state.coordinator, state.comm, runtime.backend if ident == 0 else None)
     runtime.process_sets.clear()
     runtime.control.Free()
 
@@ -396,20 +355,24 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """Rank among the processes on this host (shared-memory node): use it to pick the GPU."""
+    """Rank among the processes on this host (shared-memory node), 0 .. local_size()-1: use it to
+    pick the GPU (``torch.cuda.set_device(gradsync.local_rank())``). Raises NotInitializedError
+    before init()."""
     return get().local_rank
 
 
 def local_size() -> int:
-    """Number of processes on this host."""
+    """Number of processes on this host. Raises NotInitializedError before init()."""
     return get().local_size
 
 
 def cross_rank() -> int:
-    """Rank of this host among the hosts (the rank among processes of the same local_rank)."""
+    """Rank of this host among the hosts: the rank among the processes of the same local_rank(),
+    0 .. cross_size()-1. Raises NotInitializedError before init()."""
     return get().cross_rank
 
 
 def cross_size() -> int:
-    """Number of hosts (processes with the same local_rank across the job)."""
+    """Number of hosts (processes with the same local_rank across the job). Raises
+    NotInitializedError before init()."""
     return get().cross_size

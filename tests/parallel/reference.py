@@ -247,11 +247,12 @@ def to_numpy(t, dtype: str) -> np.ndarray:
     return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def assert_torch_was_never_imported(session: pytest.Session) -> None:
+def assert_no_framework_was_imported(session: pytest.Session) -> None:
     """For the last test of a numpy-only file: nothing in this job (gradsync included) imported
-    torch or any of its submodules. Skips when the session also collected tests marked ``torch``
-    (a run of several files), where torch is expected in ``sys.modules``."""
-    if any(item.get_closest_marker("torch") for item in session.items):
-        pytest.skip("this session also runs tests marked torch")
-    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
-    assert not loaded, f"every op ran on numpy arrays, yet torch was imported: {loaded[:5]}"
+    torch or jax (or jaxlib), nor any of their submodules: the core imports an adapter only when
+    it first sees one of its arrays. Skips when the session also collected tests marked ``torch``
+    or ``jax`` (a run of several files), where those are expected in ``sys.modules``."""
+    if any(item.get_closest_marker("torch") or item.get_closest_marker("jax") for item in session.items):
+        pytest.skip("this session also runs tests marked torch or jax")
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib"))
+    assert not loaded, f"every op ran on numpy arrays, yet a framework was imported: {loaded[:5]}"

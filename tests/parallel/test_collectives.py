@@ -28,8 +28,8 @@ from reference import (
     alltoall_splits,
     assert_array,
     assert_fragments,
+    assert_no_framework_was_imported,
     assert_rejected_before_sending,
-    assert_torch_was_never_imported,
     beside_a_joined_rank,
     dtype_op_params,
     raises,
@@ -551,6 +551,6 @@ def test_a_joined_rank_sends_no_alltoall_rows(case, rank, size):
         assert received.tolist() == want_splits
 
 
-def test_no_test_of_this_file_imported_torch(request):
-    assert_torch_was_never_imported(request.session)
+def test_no_test_of_this_file_imported_torch_or_jax(request):
+    assert_no_framework_was_imported(request.session)
 

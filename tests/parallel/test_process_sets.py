@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import assert_torch_was_never_imported
+from reference import assert_no_framework_was_imported
 
 import gradsync
 from gradsync import dtypes
@@ -303,5 +303,5 @@ def test_a_removed_set_refuses_ops_and_its_ranks_can_be_registered_again(sets, r
         assert out[0] == again.size()
 
 
-def test_no_test_of_this_file_imported_torch(request):
-    assert_torch_was_never_imported(request.session)
+def test_no_test_of_this_file_imported_torch_or_jax(request):
+    assert_no_framework_was_imported(request.session)
