@@ -36,6 +36,7 @@ def test_digits_example_trains_and_resumes(tmp_path):
     assert final_accuracy(resumed) >= 0.95, resumed
 
 
+@pytest.mark.torch  # the example is a torch script
 def test_the_progress_bar_shows_on_rank_0_under_mpiexec_unless_switched_off(tmp_path):
     # Under mpiexec no rank's stderr is a terminal; the bar is drawn anyway, by rank 0 alone.
     # 2 epochs of 1347 // 2 ranks // 32 = 21 steps each: 42 steps.
