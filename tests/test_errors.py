@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gradsync as gs
+from gradsync import metrics
 from mpi_launch import run_mpi
 
 
@@ -42,6 +43,10 @@ CALLS_NEEDING_INIT = {
     "barrier": lambda: gs.barrier(),
     "broadcast_object": lambda: gs.broadcast_object({"a": 1}),
     "allgather_object": lambda: gs.allgather_object([1]),
+    "metrics.allreduce_scalar": lambda: metrics.allreduce_scalar(1.0),
+    "metrics.average_scalars": lambda: metrics.average_scalars({"a": 1.0}),
+    "Metric.update": lambda: metrics.Metric("x").update(1.0),
+    "Metric.compute": lambda: metrics.Metric("x").compute(),
 }
 
 

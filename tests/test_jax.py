@@ -1,7 +1,7 @@
 """gradsync.jax's host memory handling, in one process: which transfers copy, and the error texts.
 
 The multi-rank behaviour (every collective against numpy, training against one process) is in
-tests/parallel/test_jax.py.
+tests/parallel/test_jax_ranks.py.
 """
 
 import subprocess

@@ -1,10 +1,9 @@
-"""The response cache, alone (deterministic LRU, signatures) and in real MPI jobs."""
+"""The response cache alone: deterministic LRU, signatures. In real MPI jobs:
+tests/parallel/test_cached_negotiation.py."""
 
-import pytest
 
 from gradsync.protocol import Kind, ReduceOp, Request
 from gradsync.response_cache import Lookup, ResponseCache, iter_bits
-from mpi_launch import run_mpi
 
 
 def request(name, shape=(4,), rank=0, kind=Kind.ALLREDUCE):
@@ -49,11 +48,3 @@ def test_allgather_and_barrier_are_never_cached():
 def test_iter_bits_lowest_first():
     assert list(iter_bits(0b1010_0001)) == [0, 5, 7]
     assert list(iter_bits(1 << 1000)) == [1000]
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("ranks,capacity", [(2, "1024"), (4, "1024"), (2, "5"), (2, "1")])
-def test_cache_in_real_jobs(ranks, capacity):
-    out = run_mpi("cache_check.py", ranks, timeout=180,
-                  env={"GRADSYNC_CACHE_CAPACITY": capacity}).stdout
-    assert out.count("cache_check rank") == ranks and "FAILED" not in out, out

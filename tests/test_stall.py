@@ -78,6 +78,15 @@ def test_stall_warns_then_shuts_down_every_rank(ranks, cache):
     assert f"rank {last}: after the stall: StallError" in out, out
 
 
+@pytest.mark.mpi
+def test_a_name_submitted_on_different_process_sets_is_reported_as_a_stall():
+    env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    out = run_mpi("process_set_mismatch.py", 3, env=env, timeout=120, check=False).stdout
+    times = [float(t) for t in re.findall(r"StallError after (\d+\.\d) s", out)]
+    assert len(times) == 3, out
+    assert max(times) < 15, out
+
+
 def test_the_heartbeat_follows_the_shortest_deadline_that_is_on():
     assert heartbeat_interval(0, 30) == 7.5  # failure detection alone needs it too
     assert heartbeat_interval(60, 30) == 7.5

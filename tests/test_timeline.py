@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gradsync import timeline
-from mpi_launch import REPO, run_mpi
+from mpi_launch import PARALLEL, REPO, run_mpi, run_parallel
 
 
 def test_summary_counts_fused_allreduce_once_and_measures_overlap():
@@ -45,3 +45,21 @@ def test_training_writes_every_phase_per_rank(tmp_path):
         summary = timeline.summarize(events)
         assert summary["allreduce_us"] > 0
         assert 0.0 <= summary["overlap_fraction"] <= 1.0
+
+
+@pytest.mark.mpi
+def test_alltoall_reducescatter_and_groups_write_their_phases(tmp_path):
+    """Tests of tests/parallel/test_collectives.py, traced: a group of five reducescatters moves in
+    one call, the late group of three allreduces in one fusion buffer."""
+    pattern = str(tmp_path / "trace.{rank}.json")
+    tests = ("alltoall_with_uneven_splits or grouped_reducescatter_gives_each_member or "
+             "no_member_of_a_group_runs")
+    run_parallel(PARALLEL / "test_collectives.py", 2, "-k", tests, env={"GRADSYNC_TIMELINE": pattern})
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"trace.{rank}.json").read_text())
+        phases = {(e["name"], e["args"].get("tensors")) for e in events
+                  if e.get("ph") == "X" and "tensors" in e.get("args", {})}
+        names = {name for name, _ in phases}
+        assert {"ALLTOALL", "REDUCESCATTER", "ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
+                "MEMCPY_OUT_FUSION_BUFFER"} <= names, names
+        assert ("REDUCESCATTER", 5) in phases and ("ALLREDUCE", 3) in phases, phases

@@ -4,11 +4,28 @@ Run a file of this directory under an MPI launcher, as Horovod's test/parallel a
 suite are run::
 
     mpiexec -n 2 python -m pytest tests/parallel/test_ops.py
-    mpiexec -n 4 python -m pytest tests/parallel/test_ops.py::test_allreduce_sum
+    mpiexec -n 4 python -m pytest "tests/parallel/test_ops.py::test_allreduce_leaves_its_input_alone[int8-Max]"
+    mpiexec -n 2 python -m pytest tests/parallel/test_ops.py -k "broadcast and root1"
+    mpiexec -n 2 python -m pytest tests/parallel  # every file in one session (about 10 s)
 
 ``tests/test_parallel.py`` does this for every file here, at the rank counts the file declares in a
-module-level ``RANKS = (1, 2, 4)`` (the default), each job under a timeout. Outside a launcher (a
-plain ``pytest`` of the whole suite) this directory is not collected: see ``tests/conftest.py``.
+module-level ``RANKS = (1, 2, 4)`` (the default), each job under a timeout (``TIMEOUT = 300``
+seconds, the default). Outside a launcher (a plain ``pytest`` of the whole suite) this directory
+is not collected: see ``tests/conftest.py``.
+
+A file may also declare *variants*: the same file again, as extra jobs, with more environment
+variables (read by ``gradsync.init()``), at other rank counts, on a ``-k`` selection of its
+tests::
+
+    VARIANTS = {
+        "no-fusion": {"env": {"GRADSYNC_FUSION_THRESHOLD": "0"}, "k": "allreduce"},
+        "no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}, "ranks": (2, 3)},
+    }
+
+``env`` is required; ``ranks`` defaults to ``(2,)``; ``k`` (a pytest ``-k`` expression) to every
+test. The job's id is ``<file>-<variant>-<ranks>``, e.g. ``test_ops-no-fusion-2``; to run one by
+hand, set the variables yourself:
+``GRADSYNC_FUSION_THRESHOLD=0 mpiexec -n 2 python -m pytest tests/parallel/test_ops.py -k allreduce``.
 
 What this conftest guarantees, so that a test reads as a specification of one behaviour:
 
@@ -18,18 +35,31 @@ What this conftest guarantees, so that a test reads as a specification of one be
 * after every test the ranks compare outcomes (one allreduce on ``COMM_WORLD``): a test that failed
   on any rank fails on every rank, naming the ranks where it failed; so all ranks report the same
   counts and stay in step;
+* the fixtures ``rank`` and ``size`` are ``gradsync.rank()`` and ``gradsync.size()``, and ``case``
+  is the test's name with its parameters (``test_x[float32-Sum]``): the same on every rank, so it
+  serves as the name of the test's collective and as the seed of every rank's input;
 * at the end each rank prints one line, ``[parallel] rank R of N: passed=P failed=F skipped=S
   errors=E``, which the launching test parses.
 
 Tests must take the same path on every rank: skip (``pytest.skip``) only on conditions every rank
-sees alike, such as ``gradsync.size()``.
+sees alike, such as ``gradsync.size()``. Run every collective of a test before asserting on its
+results where possible, so that a rank whose assertion fails does not leave the others waiting
+for a collective it never submits (that would end in a ``StallError`` on them, and a failure of
+every later test).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+import gradsync  # imported before anything starts MPI: it sets Open MPI's yield setting
+
+# tests/workers: the training of test_training.py is also a script the launch tests run.
+sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
 
 # Before init(): a collective submitted by some ranks only becomes an error on every rank.
 os.environ.setdefault("GRADSYNC_STALL_CHECK_TIME_SECONDS", "5")
@@ -51,11 +81,27 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def gradsync_initialised():
     """gradsync running on every rank for the whole session; shut down at its end."""
-    import gradsync
-
     gradsync.init()
     yield
     gradsync.shutdown()
+
+
+@pytest.fixture
+def rank() -> int:
+    """This process's rank (``gradsync.rank()``)."""
+    return gradsync.rank()
+
+
+@pytest.fixture
+def size() -> int:
+    """The number of ranks (``gradsync.size()``)."""
+    return gradsync.size()
+
+
+@pytest.fixture
+def case(request: pytest.FixtureRequest) -> str:
+    """The test's name with its parameters, the same on every rank: a name for its collectives."""
+    return request.node.name
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,30 +1,40 @@
 """N-rank training with DistributedOptimizer equals one process training on the concatenated batch.
 
-Every rank also trains the single-process reference itself (same seed, whole global batch), then
-checks (1) its parameters match the reference within --tolerance and (2) every rank holds exactly the
-same parameters (an allgather compared bit for bit). With --num-groups N it also checks that every
-step's gradients moved in exactly N grouped responses (one per reduction group).
+Every rank also trains the single-process reference itself (same seed, whole global batch).
+:func:`train` returns how far its parameters are from the reference's, whether every rank holds
+exactly the same parameters (an allgather compared bit for bit), and the names of the gradient
+responses of each step. tests/parallel/test_training.py checks these; run as a script (the
+launch tests: srun, two hosts, autotune) it checks them itself and every rank prints
+``rank R: EQUIVALENT``. With --num-groups N it also checks that every step's gradients moved in
+exactly N grouped responses (one per reduction group).
 """
 
+from __future__ import annotations
+
 import argparse
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import gradsync
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=6)
-parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-parser.add_argument("--passes", type=int, default=1, help="backward_passes_per_step")
-parser.add_argument("--batch", type=int, default=8, help="samples per rank per backward pass")
-parser.add_argument("--tolerance", type=float, default=1e-5)
-parser.add_argument("--num-groups", type=int, default=0, help="DistributedOptimizer num_groups")
-args = parser.parse_args()
 
-torch.set_num_threads(1)
-gradsync.init()
-rank, size = gradsync.rank(), gradsync.size()
+@dataclass(frozen=True)
+class Settings:
+    steps: int = 6
+    optimizer: str = "sgd"  # or "adam"
+    passes: int = 1  # backward_passes_per_step
+    batch: int = 8  # samples per rank per backward pass
+    num_groups: int = 0  # DistributedOptimizer num_groups
+
+
+@dataclass(frozen=True)
+class Outcome:
+    worst: float  # max |parameter - single-process parameter| after the last step
+    identical: bool  # every rank holds bit-identical parameters
+    gradient_responses: list[list[tuple[str, ...]]]  # per step: the names of each gradient response
+    trained: int  # the number of parameters DistributedOptimizer reduces
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -36,65 +46,98 @@ def make_model(seed: int) -> torch.nn.Module:
     return model
 
 
-def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, settings: Settings) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "adam":
+    if settings.optimizer == "adam":
         return torch.optim.Adam(params, lr=0.01)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
 
 
-model, reference = make_model(0), make_model(0)
-# Start ranks from different weights: broadcast_parameters must make them equal to rank 0's.
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(rank * 0.5)
-gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
-named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-optimizer = gradsync.DistributedOptimizer(make_optimizer(model), named_parameters=named,
-                                          backward_passes_per_step=args.passes,
-                                          num_groups=args.num_groups)
-gradsync.broadcast_optimizer_state(optimizer, root_rank=0)
-reference_optimizer = make_optimizer(reference)
+class _Responses:
+    """The names of every response the coordinator executes. Pins an internal: it wraps the
+    coordinator's ``_execute``."""
 
-executed: list[tuple[str, ...]] = []  # the names of every response the coordinator executes
-coordinator = gradsync.runtime.get().coordinator
-execute = coordinator._execute
-coordinator._execute = lambda responses, replied_ns: (
-    executed.extend(response.names for response in responses), execute(responses, replied_ns))
+    def __init__(self) -> None:
+        self.coordinator = gradsync.runtime.get().coordinator
+        self.executed: list[tuple[str, ...]] = []
+        execute = self.coordinator._execute
+        self.coordinator._execute = lambda responses, replied_ns: (
+            self.executed.extend(response.names for response in responses), execute(responses, replied_ns))
 
-data = torch.Generator().manual_seed(1234)
-loss_fn = torch.nn.CrossEntropyLoss()
-per_pass = args.batch
-for step in range(args.steps):
-    # One global batch per step: `passes` micro-batches of `size * batch` samples.
-    xs = torch.randn(args.passes, size * per_pass, 12, generator=data)
-    ys = torch.randint(0, 3, (args.passes, size * per_pass), generator=data)
-    optimizer.zero_grad()
-    for micro in range(args.passes):
-        mine = slice(rank * per_pass, (rank + 1) * per_pass)
-        loss = loss_fn(model(xs[micro, mine]), ys[micro, mine]) / args.passes
-        loss.backward()
-    optimizer.step()
+    def take_gradients(self) -> list[tuple[str, ...]]:
+        grads = [names for names in self.executed if names[0].startswith("grad.")]
+        self.executed.clear()
+        return grads
+
+    def close(self) -> None:
+        del self.coordinator._execute
+
+
+def train(settings: Settings) -> Outcome:
+    """Train on every rank and, alone, the single-process reference; needs gradsync.init()."""
+    rank, size = gradsync.rank(), gradsync.size()
+    model, reference = make_model(0), make_model(0)
+    with torch.no_grad():  # start ranks from different weights: the broadcast must equalise them
+        for p in model.parameters():
+            p.add_(rank * 0.5)
+    gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = gradsync.DistributedOptimizer(make_optimizer(model, settings), named_parameters=named,
+                                              backward_passes_per_step=settings.passes,
+                                              num_groups=settings.num_groups)
+    gradsync.broadcast_optimizer_state(optimizer, root_rank=0)
+    reference_optimizer = make_optimizer(reference, settings)
+    responses, per_step = _Responses(), []
+    data, loss_fn = torch.Generator().manual_seed(1234), torch.nn.CrossEntropyLoss()
+    try:
+        for _ in range(settings.steps):
+            # One global batch per step: `passes` micro-batches of `size * batch` samples.
+            xs = torch.randn(settings.passes, size * settings.batch, 12, generator=data)
+            ys = torch.randint(0, 3, (settings.passes, size * settings.batch), generator=data)
+            mine = slice(rank * settings.batch, (rank + 1) * settings.batch)
+            optimizer.zero_grad()
+            for micro in range(settings.passes):
+                (loss_fn(model(xs[micro, mine]), ys[micro, mine]) / settings.passes).backward()
+            optimizer.step()
+            per_step.append(responses.take_gradients())
+            reference_optimizer.zero_grad()
+            for micro in range(settings.passes):
+                (loss_fn(reference(xs[micro]), ys[micro]) / settings.passes).backward()
+            reference_optimizer.step()
+    finally:
+        responses.close()
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    everyone = gradsync.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).reshape(1, -1))
+    identical = all(torch.equal(everyone[0], everyone[r]) for r in range(size))
+    return Outcome(worst, identical, per_step, len(named))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default=Settings.optimizer)
+    parser.add_argument("--passes", type=int, default=Settings.passes, help="backward_passes_per_step")
+    parser.add_argument("--batch", type=int, default=Settings.batch, help="samples per rank per backward pass")
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--num-groups", type=int, default=Settings.num_groups, help="DistributedOptimizer num_groups")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gradsync.init()
+    rank = gradsync.rank()
+    outcome = train(Settings(args.steps, args.optimizer, args.passes, args.batch, args.num_groups))
+    print(f"rank {rank}: max |param - single-process param| = {outcome.worst:.3g}; identical on all ranks: "
+          f"{outcome.identical}", flush=True)
+    assert outcome.worst <= args.tolerance, f"rank {rank}: parameters differ from single-process by {outcome.worst}"
+    assert outcome.identical, f"rank {rank}: ranks hold different parameters"
+    assert np.isfinite(outcome.worst)
     if args.num_groups:
-        grads = [names for names in executed if names[0].startswith("grad.")]
-        assert len(grads) == args.num_groups and all(
-            name.startswith("grad.group.") for names in grads for name in names), grads
-        assert sum(len(names) for names in grads) == len(named), grads
-    executed.clear()
+        for grads in outcome.gradient_responses:
+            assert len(grads) == args.num_groups and all(
+                name.startswith("grad.group.") for names in grads for name in names), grads
+            assert sum(len(names) for names in grads) == outcome.trained, grads
+    gradsync.shutdown()
+    print(f"rank {rank}: EQUIVALENT", flush=True)
 
-    reference_optimizer.zero_grad()
-    for micro in range(args.passes):
-        (loss_fn(reference(xs[micro]), ys[micro]) / args.passes).backward()
-    reference_optimizer.step()
 
-worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-everyone = gradsync.allgather(flat.reshape(1, -1))
-identical = all(torch.equal(everyone[0], everyone[r]) for r in range(size))
-print(f"rank {rank}: max |param - single-process param| = {worst:.3g}; identical on all ranks: "
-      f"{identical}", flush=True)
-assert worst <= args.tolerance, f"rank {rank}: parameters differ from single-process by {worst}"
-assert identical, f"rank {rank}: ranks hold different parameters"
-assert np.isfinite(worst)
-gradsync.shutdown()
-print(f"rank {rank}: EQUIVALENT", flush=True)
+if __name__ == "__main__":
+    main()
