@@ -196,10 +196,7 @@ class Coordinator:
         if config.timeline:  # imported only when used, so `python -m gradsync.timeline` runs cleanly
             from .timeline import open_timeline
 
-            path = config.timeline
-            if process_set_id:  # one file per process set: each set has its own coordinator
-                path = f"{path}.set{process_set_id}"
-            self.timeline = open_timeline(path, self.world_rank)
+            self.timeline = open_timeline(config.timeline, self.world_rank, process_set_id)
         self._watchdog = None
         if failure_timeout > 0:
             timing = LivenessTiming.from_timeout(failure_timeout, self._heartbeat)
@@ -233,6 +230,18 @@ class Coordinator:
             self._check_device(entry)
         self.queue.push_all(entries)
         return [entry.handle for entry in entries]
+
+    def replace_timeline(self, timeline) -> None:
+        """Write the timeline to ``timeline`` (a :class:`gradsync.timeline.Timeline`) from now on, or
+        stop writing (None), closing the current one. Callable from any thread: the coordinator
+        reads the attribute afresh each time, and a closed timeline ignores what is written to it,
+        so stopping keeps the closed object (a thread between its None check and its call stays
+        safe) rather than setting None."""
+        old = self.timeline
+        if timeline is not None:
+            self.timeline = self.device.timeline = timeline
+        if old is not None and old is not timeline:
+            old.close()
 
     def _check_device(self, entry: Entry) -> None:
         if entry.runtime is not None:

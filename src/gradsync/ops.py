@@ -147,6 +147,9 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
+    if op == ReduceOp.Adasum:  # allreduce and grouped_allreduce took it to gradsync.adasum before
+        raise NotImplementedError(f"{where}: op=Adasum is supported by allreduce and "
+                                  "grouped_allreduce only")
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
     shape = info.shape
@@ -164,6 +167,8 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, process_set: ProcessSet,
                kind: Kind = Kind.ALLREDUCE) -> Handle:
+    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum:
+        return _adasum([tensor], name, in_place, prescale_factor, postscale_factor, process_set, False)
     coordinator, _, fields, memory, views, device = _reduction(
         tensor, name, kind, op, prescale_factor, postscale_factor, in_place, process_set)
     name = _name(coordinator, name, kind.name.lower())
@@ -171,10 +176,18 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
     return coordinator.submit(_entry(request, *views, device))
 
 
+def _adasum(*args) -> Handle | GroupHandle:
+    from .adasum import allreduce_async  # imported on use: it builds on this module's alltoall
+
+    return allreduce_async(*args)
+
+
 def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
              prescale_factor: float, postscale_factor: float, in_place: bool,
              process_set: ProcessSet) -> GroupHandle:
     """Check every member, then submit them all at once as one group (or none, on any error)."""
+    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum and isinstance(tensors, (list, tuple)) and tensors:
+        return _adasum(tensors, name, in_place, prescale_factor, postscale_factor, process_set, True)
     rt = runtime.get()
     label = "(unnamed)" if name is None else repr(str(name))
     where = f"gradsync: rank {rt.rank}: grouped_{kind.name.lower()} {label}"
@@ -214,6 +227,8 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         name: identifies the collective across ranks (see the module docstring).
         op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
+            ``Adasum``: the adaptive sum of :mod:`gradsync.adasum` (floating-point host tensors,
+            a power-of-two number of ranks).
         prescale_factor: multiplies the input before the reduction (floating dtypes only).
         postscale_factor: multiplies the result after it (floating dtypes only).
         process_set: the ranks that take part (default: every rank); Average divides by its size.
@@ -226,6 +241,7 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         NotInitializedError: before ``init()``.
         TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
             integer tensor. The message names the tensor and the rank.
+        NotImplementedError: ``op=Adasum`` on a number of ranks that is not a power of two.
         ValueError: unknown ``op``; a collective of that name still in flight on this rank;
             ``process_set`` not registered or this rank not a member of it; a device tensor on
             another GPU than this rank's earlier ones.
@@ -356,7 +372,8 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = Red
         A handle; :func:`synchronize` returns a new tensor of shape ``(counts[rank],) + shape[1:]``.
 
     Raises:
-        ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
+        ValueError: a 0-d tensor. NotImplementedError: ``op=Adasum``. Others as
+            :func:`allreduce_async`.
     """
     return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, process_set,
                       Kind.REDUCESCATTER)
@@ -385,6 +402,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
     Raises:
         TypeError: as :func:`grouped_allreduce_async`.
         ValueError: as :func:`grouped_allreduce_async`, and for a 0-d member.
+        NotImplementedError: ``op=Adasum``.
     """
     return _grouped(tensors, name, Kind.REDUCESCATTER, op, prescale_factor, postscale_factor, False,
                     process_set)

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
@@ -27,13 +28,17 @@ class _DistributedOptimizer:
     def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
                         gradient_predivide_factor: float, sparse_as_dense: bool,
                         compression: Compressor, process_set: ProcessSet,
-                        num_groups: int = 0) -> None:
+                        groups: int | list = 0) -> None:
         self._gs_rank = runtime.get().rank
         self._gs_process_set = process_set
         self._gs_size = process_set.size()
         self._gs_compression = compression
         self._gs_sparse_as_dense = sparse_as_dense
         self._gs_op = op
+        # Adasum combines the wrapped optimizer's updates (deltas), not the gradients: see step().
+        self._gs_adasum = op == ReduceOp.Adasum
+        self._gs_synchronized = False  # synchronize() called since the last step()
+        self._gs_densified: list[torch.Tensor] = []  # sparse_as_dense: back to sparse after the sum
         self._gs_prescale = 1.0 / gradient_predivide_factor
         self._gs_postscale = gradient_predivide_factor
         self._gs_passes = backward_passes_per_step
@@ -57,7 +62,7 @@ class _DistributedOptimizer:
             self._gs_check_owners(group)
         for group_index, group in enumerate(self.param_groups):
             self._gs_track(group, group_index)
-        self._gs_group_of = _reduction_groups(list(self._gs_names), num_groups)
+        self._gs_group_of = _reduction_groups(list(self._gs_names), groups, self._gs_rank)
         self._gs_group_ready: dict[int, int] = {}  # reduction group -> its parameters submitted
         self._gs_parameters_checked = False  # the first step() compares the ranks' parameters
 
@@ -89,6 +94,8 @@ class _DistributedOptimizer:
             self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_weak_hook))
 
     def _gs_hook(self, param: torch.Tensor) -> None:
+        if self._gs_adasum:  # gradients accumulate locally; step() reduces the update
+            return
         name = self._gs_names[param]
         if param in self._gs_handles:
             raise RuntimeError(
@@ -138,6 +145,7 @@ class _DistributedOptimizer:
                         _call_all, [self._gs_handles[param], self._gs_group_submit(param)])
                 return
             param.grad = param.grad.to_dense()
+            self._gs_densified.append(param)  # the wrapped optimizer gets it sparse again
         if param in self._gs_group_of:
             self._gs_handles[param] = self._gs_group_submit(param)
             return
@@ -208,10 +216,13 @@ class _DistributedOptimizer:
         branch) are reduced with zeros, so no rank waits for them. Does nothing if no backward ran
         since the last step, so stale gradients are never reduced twice.
 
+        With ``op=Adasum`` it does nothing: the update is reduced by :meth:`step` (as Horovod's).
+
         Raises:
             CollectiveError, ShutdownError: a gradient's allreduce failed (message names it).
         """
-        if not self._gs_handles and not any(self._gs_counts.values()):
+        self._gs_synchronized = True
+        if self._gs_adasum or (not self._gs_handles and not any(self._gs_counts.values())):
             return
         for param in self._gs_names:
             if param not in self._gs_handles:
@@ -224,6 +235,9 @@ class _DistributedOptimizer:
         self._gs_write_backward()
         for wait in waits.values():
             wait()
+        for param in self._gs_densified:
+            param.grad = param.grad.to_sparse()
+        self._gs_densified = []
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -235,7 +249,13 @@ class _DistributedOptimizer:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with optimizer.skip_synchronize():
                 optimizer.step()
+
+        Raises:
+            AssertionError: with ``op=Adasum``, whose step() reduces the update itself (Horovod's).
         """
+        if self._gs_adasum:
+            raise AssertionError("gradsync: skip_synchronize() has no meaning with op=Adasum: step() "
+                                 "reduces the wrapped optimizer's update itself; call step() alone")
         self._gs_skip = True
         try:
             yield
@@ -246,14 +266,52 @@ class _DistributedOptimizer:
         """Wait for this step's gradient allreduces (unless inside skip_synchronize), then step.
 
         The first call also checks that the ranks hold the same parameters (one small allreduce);
-        see :meth:`_gs_check_parameters_agree`.
+        see :meth:`_gs_check_parameters_agree`. A ``synchronize()`` since the last step without
+        ``skip_synchronize()`` around this one gets Horovod's warning (gradsync does not reduce
+        twice). With ``op=Adasum``: see :meth:`_gs_adasum_step`.
         """
         if not self._gs_skip:
+            if self._gs_synchronized and not self._gs_adasum:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                              "after optimizer.synchronize(): gradsync does not reduce the gradients "
+                              "again, but wrap step() in `with optimizer.skip_synchronize():` to say "
+                              "that you meant it", stacklevel=2)
             self.synchronize()
+        self._gs_synchronized = False
         if not self._gs_parameters_checked:
             self._gs_parameters_checked = True
             self._gs_check_parameters_agree()
+        if self._gs_adasum:
+            return self._gs_adasum_step(closure)
         return super().step(closure)
+
+    def _gs_adasum_step(self, closure):
+        """Horovod's Adasum optimizer: the wrapped optimizer steps on this rank's own (locally
+        accumulated) gradients, the update of every parameter (its change, learning rate and
+        momentum included) is combined across ranks by Adasum, and every rank applies the combined
+        update to its parameters as they were before the step. One grouped Adasum allreduce per
+        dtype (after ``compression``), on host memory (CUDA tensors are staged)."""
+        from .mpi_ops import grouped_allreduce_async_
+
+        params = list(self._gs_names)
+        with torch.no_grad():
+            start = [p.detach().clone() for p in params]
+        loss = super().step(closure)
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for param, before in zip(params, start):
+                param.sub_(before)  # the update, reduced in the parameter's own memory
+                compressed, context = self._gs_compression.compress(param.detach())
+                by_dtype.setdefault(compressed.dtype, []).append((param, compressed, context, before))
+            handles = [grouped_allreduce_async_([m[1] for m in members], op=ReduceOp.Adasum,
+                                                name=f"adasum.{self._gs_names[params[0]]}.{dtype}",
+                                                process_set=self._gs_process_set)
+                       for dtype, members in by_dtype.items()]
+            for handle in handles:
+                ops.synchronize(handle)
+            for param, compressed, context, before in (m for g in by_dtype.values() for m in g):
+                param.copy_(before + self._gs_compression.decompress(compressed, context))
+        return loss
 
     def _gs_check_parameters_agree(self) -> None:
         """Warn, from the process set's first rank, when the ranks' parameters differ before the
@@ -324,6 +382,27 @@ class _DistributedOptimizer:
                 raise
             self._gs_track(self.param_groups[-1], len(self.param_groups) - 1)
 
+    @property
+    def _parameter_names(self) -> dict:
+        """parameter -> its name, for the parameters this optimizer reduces (Horovod's attribute)."""
+        return dict(self._gs_names)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Reduce after ``passes`` backward passes from now on, counting afresh (Horovod's method).
+
+        Raises:
+            ValueError: ``passes < 1``. RuntimeError: gradients are being reduced (call step() or
+                synchronize() first).
+        """
+        if int(passes) < 1:
+            raise ValueError(f"gradsync: rank {self._gs_rank}: backward_passes_per_step must be >= 1, "
+                             f"got {passes}")
+        if self._gs_handles:
+            raise RuntimeError(f"gradsync: rank {self._gs_rank}: set_backward_passes_per_step() while "
+                               "gradients are being reduced; call step() or synchronize() first")
+        self._gs_passes = int(passes)
+        self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state (torch semantics) after finishing any allreduce in flight."""
         for wait in self._gs_handles.values():
@@ -352,16 +431,37 @@ def _weak_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-def _reduction_groups(params: list[torch.Tensor], num_groups: int) -> dict:
-    """param -> (group index, the group's parameters): ``params`` in order, cut into ``num_groups``
-    contiguous groups as evenly as possible (the first ones one parameter larger); {} for 0."""
-    groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
-    start = 0
-    for index, count in enumerate(split_rows(len(params), num_groups) if num_groups else []):
-        members = tuple(params[start:start + count])
-        groups.update((param, (index, members)) for param in members)
-        start += count
-    return groups
+def _reduction_groups(params: list[torch.Tensor], groups: int | list, rank: int) -> dict:
+    """param -> (group index, the group's parameters).
+
+    ``groups`` is an int N: ``params`` in order, cut into N contiguous groups as evenly as possible
+    (the first ones one parameter larger; 0: no groups); or a list of lists of parameters: each list
+    a group, in its order, without the parameters that are not in ``params`` (no ``requires_grad``).
+    Parameters in no group are reduced on their own, as Horovod's singleton groups.
+    """
+    if isinstance(groups, int):
+        bounds = np.cumsum([0, *split_rows(len(params), groups)]) if groups else [0]
+        chunks = [params[a:b] for a, b in zip(bounds, bounds[1:])]
+    else:
+        _check_groups(groups, rank)
+        tracked = {id(p) for p in params}
+        chunks = [[p for p in group if id(p) in tracked] for group in groups]
+    return {param: (index, tuple(members))
+            for index, members in enumerate(chunks) for param in members}
+
+
+def _check_groups(groups: list, rank: int) -> None:
+    """``groups=`` as a list: lists of the optimizer's parameters, each in one group at most."""
+    seen: set[int] = set()
+    for index, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in group):
+            raise ValueError(f"gradsync: rank {rank}: groups[{index}] must be a list of parameters "
+                             f"(torch.Tensor), got {type(group).__qualname__}")
+        for p in group:
+            if id(p) in seen:
+                raise ValueError(f"gradsync: rank {rank}: a parameter of shape {tuple(p.shape)} is in "
+                                 "groups twice; a parameter may appear in one group only")
+            seen.add(id(p))
 
 
 def _nothing() -> None:
@@ -383,6 +483,9 @@ def _check_names(named_parameters, params: list[torch.Tensor], rank: int) -> dic
     if named_parameters is None:
         return {}
     pairs = list(named_parameters)
+    if any(not (isinstance(pair, tuple) and len(pair) == 2) for pair in pairs):
+        raise ValueError(f"gradsync: rank {rank}: named_parameters must be (name, parameter) pairs, "
+                         "as model.named_parameters() gives")
     names = [name for name, _ in pairs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -404,20 +507,20 @@ def _distributed_class(cls: type) -> type:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                         backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
-                         gradient_predivide_factor: float = 1.0,
-                         sparse_as_dense: bool = False,
                          compression: Compressor = Compression.none,
-                         process_set: ProcessSet = global_process_set,
-                         num_groups: int = 0) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | list[list[torch.Tensor]] | None = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
     in-place allreduce of its gradient as soon as backward has produced it, so communication
     overlaps the rest of backward. ``step()`` waits for this step's allreduces, then runs the
     wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks compute the
-    same update as one process on the N-times larger batch (same semantics as Horovod's
-    DistributedOptimizer).
+    same update as one process on the N-times larger batch (same semantics, and the same argument
+    order, as Horovod's ``hvd.DistributedOptimizer``).
 
     The first ``step()`` also compares the ranks' parameters (one small allreduce) and logs a
     warning naming those that differ: the usual sign of a missing
@@ -432,42 +535,75 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             rank; see docs/gpu.md).
         named_parameters: ``model.named_parameters()``; names identify gradients across ranks and
             appear in errors. Without it, parameters are named by position ("param.<group>.<index>").
-        backward_passes_per_step: backward passes accumulated locally before the allreduce
-            (gradient accumulation); gradients are summed over the passes, as in plain PyTorch.
-        op: ``Average`` (default) or ``Sum`` across ranks.
-        gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
-            by f/size after it (to keep low-precision sums in range).
-        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are densified and
-            allreduced like the others. By default they are reduced by an allgather of their
-            indices and values, and ``param.grad`` becomes the coalesced sparse sum (divided by the
-            number of ranks for Average): cheaper when few rows are touched. A rank on which such
-            a parameter got no gradient in a step contributes dense zeros, which only matches the
-            others with ``sparse_as_dense=True``.
         compression: how gradients travel: ``gradsync.Compression.none`` (default), ``.fp16`` or
             ``.bf16`` (float32/float64 gradients are cast to 16 bits before fusion and back after
             the allreduce), or any object with ``compress``/``decompress``
             (:class:`gradsync.compression.Compressor`). Sparse gradients are not compressed.
+        backward_passes_per_step: backward passes accumulated locally before the allreduce
+            (gradient accumulation); gradients are summed over the passes, as in plain PyTorch.
+        op: ``Average`` (default) or ``Sum`` of the gradients across ranks, or ``Adasum``: then
+            the wrapped optimizer steps on each rank's own gradients and the *updates* are
+            combined by Adasum (:meth:`_DistributedOptimizer._gs_adasum_step`; a power-of-two
+            number of ranks), as Horovod's Adasum optimizer.
+        gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
+            by f/size after it (to keep low-precision sums in range).
+        num_groups: as ``groups=N`` (Horovod's older name for it).
+        groups: None or 0 (default): each gradient is allreduced on its own as soon as it is
+            ready (and fused with others that happen to be ready at the same time). An int N > 0:
+            the parameters, in the optimizer's order, are cut into N groups as evenly as possible.
+            A list of lists of parameters: those groups (parameters in none are reduced on their
+            own). Each group is reduced by one :func:`gradsync.grouped_allreduce_async_` (per
+            gradient dtype) once all its gradients are ready: fewer, larger, predictable fusion
+            buffers, as Horovod's ``groups``. Parameters added later with ``add_param_group`` are
+            reduced on their own.
+        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are densified,
+            allreduced like the others, and made sparse again before the wrapped optimizer steps
+            (as Horovod). By default they are reduced by an allgather of their indices and values,
+            and ``param.grad`` becomes the coalesced sparse sum (divided by the number of ranks for
+            Average): cheaper when few rows are touched. A rank on which such a parameter got no
+            gradient in a step contributes dense zeros, which only matches the others with
+            ``sparse_as_dense=True``.
         process_set: the ranks among which gradients are averaged (default: every rank); Average
             divides by its size. Only its members may create the optimizer.
-        num_groups: 0 (default): each gradient is allreduced on its own as soon as it is ready
-            (and fused with others that happen to be ready at the same time). N > 0: the
-            parameters, in the optimizer's order, are cut into N groups as evenly as possible, and
-            each group is reduced by one :func:`gradsync.grouped_allreduce_async_` (per gradient
-            dtype) once all its gradients are ready: fewer, larger, predictable fusion buffers, as
-            Horovod's ``num_groups``. Parameters added later with ``add_param_group`` are reduced
-            on their own.
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
-            names, optimizer parameters missing from ``named_parameters``,
-            ``backward_passes_per_step < 1``, ``num_groups < 0``, a predivide factor with an op
-            other than Average, an optimizer that is already distributed, or one whose ``step``
-            an LR scheduler created before wrapping has already replaced; a ``process_set`` that
-            is not registered or does not contain this rank.
+            names or names that are not (name, tensor) pairs (checked before anything else, also
+            before ``gradsync.init()``), optimizer parameters missing from ``named_parameters``,
+            ``backward_passes_per_step < 1``, ``groups`` / ``num_groups`` that are neither an int
+            >= 0 nor lists of parameters (or both given, differently), a predivide factor with an op
+            other than Average, an op other than Average, Sum and Adasum, an optimizer that is
+            already distributed, or one whose ``step`` an LR scheduler created before wrapping has
+            already replaced; a ``process_set`` that is not registered or does not contain this
+            rank.
+        NotImplementedError: ``op=Adasum`` on a process set whose size is not a power of two.
         TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
     """
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+        # Checked before anything else, as Horovod does (also before init: the rank may be unknown).
+        _check_names(named_parameters, [], runtime.get().rank if runtime.is_initialized() else "?")
     rank = runtime.get().rank
+    op, groups = _check_arguments(optimizer, rank, backward_passes_per_step, op,
+                                  gradient_predivide_factor, num_groups, groups, compression,
+                                  process_set)
+    original = type(optimizer)
+    optimizer.__class__ = _distributed_class(original)
+    try:
+        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
+                                  float(gradient_predivide_factor), bool(sparse_as_dense),
+                                  compression, process_set, groups)
+    except BaseException:
+        optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
+        raise
+    return optimizer
+
+
+def _check_arguments(optimizer, rank: int, backward_passes_per_step, op, gradient_predivide_factor,
+                     num_groups, groups, compression, process_set) -> tuple[ReduceOp, int | list]:
+    """Refuse what DistributedOptimizer cannot do (see its Raises); returns the op (Average for
+    Adasum on one rank, as Horovod) and the groups (an int, 0 for none, or lists)."""
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError(f"gradsync: rank {rank}: this optimizer is already a DistributedOptimizer")
     if "step" in vars(optimizer):
@@ -478,27 +614,33 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"gradsync: rank {rank}: backward_passes_per_step must be >= 1, got "
                          f"{backward_passes_per_step}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+    if not _is_count(num_groups):
         raise ValueError(f"gradsync: rank {rank}: num_groups must be an int >= 0 (0: no groups), "
                          f"got {num_groups!r}")
+    if groups is not None and not (isinstance(groups, list) or _is_count(groups)):
+        raise ValueError(f"gradsync: rank {rank}: groups must be an int >= 0 (0: no groups) or a "
+                         f"list of lists of parameters, got {groups!r}")
+    if num_groups and groups is not None and groups != num_groups:
+        raise ValueError(f"gradsync: rank {rank}: give groups= or num_groups= (its older name), not "
+                         f"both: groups={groups!r}, num_groups={num_groups!r}")
     op = ReduceOp(op)
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
+    if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
         raise ValueError(f"gradsync: rank {rank}: DistributedOptimizer reduces gradients with "
-                         f"Average or Sum, got {op.name}")
+                         f"Average, Sum or Adasum, got {op.name}")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
+    if op == ReduceOp.Adasum and process_set.size() & (process_set.size() - 1):
+        raise NotImplementedError(f"gradsync: rank {rank}: op=Adasum needs a power-of-two number of "
+                                  f"ranks (as Horovod's), but {process_set} has {process_set.size()}")
     if not (callable(getattr(compression, "compress", None))
             and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
                         "decompress() methods (see gradsync.Compression)")
-    original = type(optimizer)
-    optimizer.__class__ = _distributed_class(original)
-    try:
-        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
-                                  float(gradient_predivide_factor), bool(sparse_as_dense),
-                                  compression, process_set, num_groups)
-    except BaseException:
-        optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
-        raise
-    return optimizer
+    if op == ReduceOp.Adasum and process_set.size() == 1:
+        op = ReduceOp.Average
+    return op, num_groups if groups is None else groups
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
