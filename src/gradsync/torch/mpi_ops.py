@@ -343,7 +343,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
         gathered = synchronize(values)
         if op == Average:
             gathered = gathered / process_set.size()
-        return torch.sparse_coo_tensor(synchronize(indices).t(), gathered, tensor.shape)
+        return torch.sparse_coo_tensor(synchronize(indices).t(), gathered, tensor.shape,
+                                       check_invariants=False)
 
     return handle
 

@@ -51,10 +51,13 @@ class _DistributedOptimizer:
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
+        # A rank outside a (registered) process set reduces nothing and steps on its own
+        # gradients, as Horovod's: it has no coordinator, and tracks no parameter.
+        member = process_set.process_set_id is None or process_set.included()
         self._gs_coordinator = runtime.get().coordinator_for(
-            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer")
-        self._gs_timeline = self._gs_coordinator.timeline
-        self._gs_joins = self._gs_coordinator.joins  # see _gs_check_parameters_agree
+            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer") if member else None
+        self._gs_timeline = self._gs_coordinator.timeline if member else None
+        self._gs_joins = self._gs_coordinator.joins if member else 0  # see _gs_check_parameters_agree
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_backward_events = None  # the same on a GPU: timing events on the compute stream
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
@@ -84,6 +87,8 @@ class _DistributedOptimizer:
                     "also works)")
 
     def _gs_track(self, group: dict, group_index: int) -> None:
+        if self._gs_coordinator is None:  # not a member of the process set
+            return
         for index, param in enumerate(group["params"]):
             if not param.requires_grad or param in self._gs_names:
                 continue
@@ -564,7 +569,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             gradient in a step contributes dense zeros, which only matches the others with
             ``sparse_as_dense=True``.
         process_set: the ranks among which gradients are averaged (default: every rank); Average
-            divides by its size. Only its members may create the optimizer.
+            divides by its size. On a rank outside it the optimizer reduces nothing and steps on
+            that rank's own gradients (as Horovod's).
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
