@@ -133,7 +133,7 @@ def test_join_takes_a_device_and_returns_the_last_rank():
 
 
 def test_sparse_allreduce_async_equals_the_dense_allreduce():
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     dense = torch.zeros(6, 2)
     dense[r % 6] = r + 1.0
     dense[5] = 1.0

@@ -9,36 +9,20 @@ leaves bfloat16 as it is (Horovod casts it to float16 too, losing its range).
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..compression import Compression, Compressor
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 
 
-class NoneCompressor(Compressor):
-    """No compression (Horovod's default): the tensor itself is reduced."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        """Returns ``(tensor, None)``."""
-        return Compression.none.compress(tensor)
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        """Returns ``tensor``."""
-        return Compression.none.decompress(tensor, ctx)
+def _usable_without_an_instance(name: str, compressor: Compressor, doc: str) -> type:
+    """A Compressor subclass whose compress/decompress are ``compressor``'s, as static methods."""
+    return type(name, (Compressor,), {"__doc__": doc, "__module__": __name__,
+                                      "compress": staticmethod(compressor.compress),
+                                      "decompress": staticmethod(compressor.decompress)})
 
 
-class FP16Compressor(Compressor):
-    """float32/float64 tensors travel as float16 and come back in their own dtype."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        """Returns ``(tensor as float16, its dtype)``; other dtypes pass unchanged."""
-        return Compression.fp16.compress(tensor)
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        """Returns ``tensor`` cast back to the dtype ``compress`` saw."""
-        return Compression.fp16.decompress(tensor, ctx)
+NoneCompressor = _usable_without_an_instance(
+    "NoneCompressor", Compression.none, "No compression (Horovod's default): the tensor itself is reduced.")
+FP16Compressor = _usable_without_an_instance(
+    "FP16Compressor", Compression.fp16,
+    "float32/float64 tensors travel as float16 and come back in their own dtype.")

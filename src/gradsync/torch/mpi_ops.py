@@ -37,40 +37,9 @@ from ..handles import GroupHandle, Handle
 from ..ops import poll, synchronize
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
-from .basics import (  # noqa: F401 - Horovod's mpi_ops exports these too
-    Adasum,
-    Average,
-    HorovodInternalError,
-    Max,
-    Min,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    handle_average_backwards_compatibility,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from . import basics as _basics
+from .basics import *  # noqa: F403 - Horovod's mpi_ops exports the basics too
+from .basics import Adasum, Average, Sum, handle_average_backwards_compatibility, rank
 from .compression import Compression
 
 _INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
@@ -550,7 +519,8 @@ class HorovodAlltoall(torch.autograd.Function):
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set):
+             process_set: ProcessSet = global_process_set
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Alltoall ``tensor``, differentiably (``horovod.torch.alltoall``): as :func:`alltoall_async`.
 
     Returns:
@@ -683,4 +653,5 @@ __all__ = [
     "grouped_reducescatter_async", "join", "barrier", "poll", "synchronize",
     "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather", "HorovodGroupedAllgather",
     "HorovodBroadcast", "HorovodAlltoall", "HorovodReducescatter", "HorovodGroupedReducescatter",
+    *_basics.__all__,  # Horovod's mpi_ops exports the basics too
 ]
