@@ -198,19 +198,13 @@ class _DistributedOptimizer:
 
     def _gs_sparse_allgather(self, param: torch.Tensor, name: str) -> Callable[[], None]:
         """Start the allgather of a sparse gradient's indices and values; the returned function
-        waits and sets param.grad to their sum over ranks (divided by size for Average)."""
-        grad = param.grad.coalesce()
-        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
-                                      process_set=self._gs_process_set)
-        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values",
-                                     process_set=self._gs_process_set)
+        waits and sets param.grad to their coalesced sum over ranks (divided by size for Average)."""
+        from .mpi_ops import sparse_allreduce_async
+
+        wait = sparse_allreduce_async(param.grad.coalesce(), name, self._gs_op, self._gs_process_set)
 
         def finish() -> None:
-            gathered = ops.synchronize(values)
-            if self._gs_op == ReduceOp.Average:
-                gathered = gathered / self._gs_size
-            param.grad = torch.sparse_coo_tensor(ops.synchronize(indices).t(), gathered,
-                                                 grad.shape, check_invariants=False).coalesce()
+            param.grad = wait().coalesce()
 
         return finish
 
