@@ -188,6 +188,8 @@ def test_grouped_reducescatter_gradient_is_each_members_allgathered_gradient():
 
 def test_gradients_follow_a_process_set():
     n, r = hvd.size(), hvd.rank()
+    if n < 2:
+        pytest.skip("a process set of one rank would be every rank")
     evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
     try:
         if r % 2 == 0:

@@ -112,6 +112,8 @@ def test_collective_errors_are_horovod_internal_errors():
 
 def test_barrier_takes_the_process_set_first():
     n = hvd.size()
+    if n < 2:
+        pytest.skip("a process set of one rank would be every rank")
     evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
     try:
         if evens.included():

@@ -108,10 +108,9 @@ def _reduce(tensors: Sequence[Any], in_place: bool, name: str | None, op: Any, p
     if integer:
         core_op = Sum if op == Average else op
         tail = postscale / process_set.size() if op == Average else postscale
-        prescale, postscale = float(prescale), 1.0
         if prescale != 1.0:
             inputs = [_scaled(t, prescale) for t in tensors]
-        prescale = 1.0
+        prescale = postscale = 1.0
     if stage:
         inputs = [t.cpu() for t in inputs]
     core_in_place = in_place and all(a is b for a, b in zip(inputs, tensors))
