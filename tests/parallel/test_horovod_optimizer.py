@@ -216,24 +216,25 @@ def test_adasum_refuses_skip_synchronize():
             pass
 
 
-def test_broadcast_optimizer_state_initialises_an_empty_state_without_moving_parameters():
+def test_broadcast_optimizer_state_gives_missing_gradients_zeros_and_keeps_the_state_fresh():
     class NoGrad(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.index = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32),
                                             requires_grad=False)
-            self.values = torch.nn.Parameter(torch.arange(4.0) + hvd.rank())
+            self.values = torch.nn.Parameter(torch.arange(4.0))
 
     net = NoGrad()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
                                                    weight_decay=0.5), net.named_parameters())
-    before = net.values.detach().clone()
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert net.index.grad is None
-    assert torch.equal(net.values.grad, torch.zeros(4))
-    assert torch.equal(net.values.detach(), before)  # Horovod would have stepped them
-    buffers = hvd.allgather(opt.state[net.values]["momentum_buffer"][None])
-    assert all(torch.equal(buffers[0], row) for row in buffers)
+    assert torch.equal(net.values.grad, torch.zeros(4))  # Horovod's test broadcasts this gradient
+    assert torch.equal(net.values.detach(), torch.arange(4.0)) and not opt.state
+    net.values.sum().backward()
+    opt.step()  # the first step of a fresh SGD: no momentum yet, decay on the parameters
+    expected = torch.arange(4.0) - 0.1 * (1.0 + 0.5 * torch.arange(4.0))
+    assert torch.allclose(net.values.detach(), expected)
 
 
 def test_broadcast_parameters_takes_a_list_of_tensors_and_refuses_other_things():

@@ -175,7 +175,7 @@ def case_sparse_gradients_allgathered_or_densified():
             for row in (r % 10, (r + 3) % 10, 7):
                 expected[row] += 1.0 / size
         assert torch.allclose(grad, expected, atol=1e-6), (as_dense, grad, expected)
-        assert embedding.weight.grad.is_sparse != as_dense
+        assert embedding.weight.grad.is_sparse  # densified for the allreduce only (Horovod's)
         with opt.skip_synchronize():
             opt.step()
 

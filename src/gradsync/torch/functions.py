@@ -76,15 +76,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s
     (``horovod.torch.broadcast_optimizer_state``).
 
-    As in Horovod, an optimizer whose state is still empty (created, not yet stepped) first gets
-    it: every parameter with ``requires_grad`` receives a zero gradient (sparse for
-    ``torch.optim.SparseAdam``, and for ``SGD`` on the sparse embeddings of ``model``) and the
-    wrapped optimizer steps once, locally, without any allreduce. Unlike Horovod, gradsync then
-    puts the parameters back as they were, so that step (weight decay on a zero gradient) does not
-    move them. Then the root's whole ``optimizer.state_dict()`` (per-parameter state such as
-    momentum buffers and Adam moments, and every param group's options such as lr, momentum and
-    betas, with their Python types) is broadcast and loaded with ``load_state_dict``; L-BFGS works
-    too. With ``process_set``, only its members take part.
+    The root's whole ``optimizer.state_dict()`` (per-parameter state such as momentum buffers and
+    Adam moments, and every param group's options such as lr, momentum and betas, with their Python
+    types) is broadcast and loaded with ``load_state_dict``; an optimizer that has not stepped yet
+    (Adam before its first step) simply receives the root's state, empty or not, and L-BFGS works
+    too. On a rank whose state is still empty, every parameter with ``requires_grad`` and no
+    gradient gets a zero one (sparse for ``torch.optim.SparseAdam``, and for ``SGD`` on the sparse
+    embeddings of ``model``), as Horovod leaves them. Unlike Horovod, gradsync does not step the
+    optimizer on those zero gradients to create its state: that step would make the first real
+    one differ from a fresh optimizer's (momentum from weight decay, Adam's step count), and
+    training from single-process training.
+
+    With ``process_set``, only its members take part.
 
     Raises:
         ValueError: ``root_rank`` out of range (not a member of ``process_set``), or the optimizers'
@@ -95,7 +98,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         raise ValueError(f"gradsync: rank {rt.rank}: broadcast_optimizer_state: root_rank="
                          f"{root_rank!r} is not a rank of {process_set}")
     if not optimizer.state:
-        _initialise_state(optimizer, model)
+        _zero_missing_gradients(optimizer, model)
     state: Any = optimizer.state_dict() if rt.rank == root_rank else None
     state = ops.broadcast_object(state, root_rank, name="broadcast_optimizer_state",
                                  process_set=process_set)
@@ -103,35 +106,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         optimizer.load_state_dict(state)
 
 
-def _initialise_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
-    """Horovod's state initialisation: zero gradients and one local step of the wrapped optimizer
-    (never the distributed step, which would allreduce); the parameters are restored after it.
-    L-BFGS, whose step needs a closure, keeps its empty state."""
-    if isinstance(optimizer, torch.optim.LBFGS):
-        return
+def _zero_missing_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Horovod's zero gradients for the parameters that have none (see broadcast_optimizer_state)."""
     sparse = set()
     if model is not None:
         sparse = {id(p) for m in model.modules()
                   if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    with torch.no_grad():
-        saved = [p.detach().clone() for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-            if isinstance(optimizer, torch.optim.SparseAdam) or (
-                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
-                p.grad = p.grad.to_sparse()
-    _local_step(optimizer)
-    with torch.no_grad():
-        for p, value in zip(params, saved):
-            p.copy_(value)
-
-
-def _local_step(optimizer: torch.optim.Optimizer) -> None:
-    from .optimizer import _DistributedOptimizer
-
-    if isinstance(optimizer, _DistributedOptimizer):
-        super(_DistributedOptimizer, optimizer).step()
-    else:
-        optimizer.step()
-
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
