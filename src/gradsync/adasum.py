@@ -48,13 +48,16 @@ def combine(a: np.ndarray, b: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
     """The adaptive sum of the 1-d float64 vectors ``a`` and ``b``, segment by segment.
 
     Segment i is ``[bounds[i], bounds[i+1])`` (one tensor of a group); each gets its own
-    coefficients from its own dot product and squared norms, accumulated in float64. Returns a new
+    coefficients from its own dot product and squared norms, summed in float64 by numpy's pairwise
+    summation. Returns a new
     float64 vector of ``a``'s length. Pure function, the reference formula of this module.
     """
     out = np.empty_like(a)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         x, y = a[lo:hi], b[lo:hi]
-        dot, xx, yy = float(x @ y), float(x @ x), float(y @ y)
+        # numpy's own pairwise sums, not BLAS: the same bits in every process whatever its BLAS
+        # threads (both partners must compute the same result), and no thread pool to oversubscribe
+        dot, xx, yy = float(np.sum(x * y)), float(np.sum(x * x)), float(np.sum(y * y))
         ca = 1.0 - 0.5 * dot / xx if xx >= _TINY else 1.0
         cb = 1.0 - 0.5 * dot / yy if yy >= _TINY else 1.0
         np.add(ca * x, cb * y, out=out[lo:hi])
