@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gradsync import dtypes
-from gradsync.arrays import TensorInfo
+from gradsync.tensors import TensorInfo
 
 
 class FakeStream:
@@ -46,10 +46,16 @@ class FakeStream:
             what, operation = self._queue.get()
             operation()
             self.ops.append(what)
+            self._queue.task_done()
+
+    def idle(self) -> bool:
+        """Whether every operation enqueued so far has run."""
+        return self._queue.unfinished_tasks == 0
 
 
 class FakeEvent:
-    def __init__(self, timing: bool = False) -> None:
+    def __init__(self, device: int, timing: bool = False) -> None:
+        self.device = device
         self.flag = threading.Event()
         self.at = 0.0
         self.recorded = False
@@ -64,9 +70,10 @@ class FakeArray:
 
     __gradsync_adapter__: Any = None  # set below
 
-    def __init__(self, data: np.ndarray, device: int = 0) -> None:
+    def __init__(self, data: np.ndarray, device: int = 0, stream: FakeStream | None = None) -> None:
         self.data = data
         self.device = device
+        self.stream = stream  # the stream that was current when it was allocated (None: unknown)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -81,7 +88,12 @@ class FakeArray:
         return self.data.nbytes
 
     def __getitem__(self, index) -> FakeArray:
-        return FakeArray(self.data[index], self.device)
+        return FakeArray(self.data[index], self.device, self.stream)
+
+    def reshape(self, *shape) -> FakeArray:
+        view = self.data.reshape(*shape)
+        assert np.shares_memory(view, self.data) or view.size == 0, "reshape copied"
+        return FakeArray(view, self.device, self.stream)
 
     def __repr__(self) -> str:
         return f"FakeArray(cuda:{self.device}, {self.data!r})"
@@ -95,7 +107,8 @@ class FakeAdapter:
         raise TypeError("a fake device array has no host view")
 
     def empty(self, like: FakeArray, shape: tuple[int, ...]) -> FakeArray:
-        return FakeArray(np.full(shape, 99, like.dtype), like.device)  # garbage, visibly
+        stream = DEVICE.current_stream(like.device)
+        return FakeArray(np.full(shape, 99, like.dtype), like.device, stream)  # garbage, visibly
 
     def device_runtime(self, x: FakeArray) -> FakeDevice:
         return DEVICE
@@ -112,6 +125,7 @@ class FakeDevice:
         self.streams: list[FakeStream] = []
         self.kept: list[tuple[int, FakeStream]] = []  # keep_alive calls: (id of array, stream)
         self.lock = threading.Lock()
+        self.unbound_queries = 0  # query() from a thread whose bound device is not the event's
 
     # streams and events
     def view(self, x: FakeArray) -> FakeArray:
@@ -138,6 +152,9 @@ class FakeDevice:
         self.streams.append(stream)
         return stream
 
+    def bind(self, device: int) -> None:
+        self._local.bound = device
+
     def stream_pointer(self, stream: FakeStream) -> int:
         return id(stream)
 
@@ -155,10 +172,11 @@ class FakeDevice:
         stack = getattr(self._local, "stack", [])
         return stack[-1] if stack else self.default_stream(0)
 
-    def event(self, timing: bool = False) -> FakeEvent:
-        return FakeEvent(timing)
+    def event(self, device: int, timing: bool = False) -> FakeEvent:
+        return FakeEvent(device, timing)
 
     def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        assert event.device == stream.device, "an event recorded on another device's stream"
         event.recorded = True
         stream.enqueue("record", event.fire)
 
@@ -167,6 +185,8 @@ class FakeDevice:
         stream.enqueue("wait", lambda: event.flag.wait(30) or _fail("event never completed"))
 
     def query(self, event: FakeEvent) -> bool:
+        if getattr(self._local, "bound", None) != event.device:
+            self.unbound_queries += 1  # on CUDA: a context created on device 0 for this thread
         return event.flag.is_set()
 
     def synchronize(self, event: FakeEvent) -> None:
@@ -178,7 +198,7 @@ class FakeDevice:
 
     # memory
     def empty(self, device: int, dtype: np.dtype, count: int) -> FakeArray:
-        return FakeArray(np.full(count, 77, dtype), device)
+        return FakeArray(np.full(count, 77, dtype), device, self.current_stream(device))
 
     def from_host(self, device: int, host: np.ndarray) -> FakeArray:
         return FakeArray(host.copy(), device)
@@ -194,24 +214,16 @@ class FakeDevice:
         assert np.shares_memory(flat, array.data) or flat.size == 0
         return FakeArray(flat, array.device)
 
-    def pack(self, source: FakeArray, target: FakeArray, prescale: float) -> None:
+    def copy(self, source: FakeArray, target: FakeArray, scale: float) -> None:
         def run():
-            out = target.data.reshape(source.shape)
-            if prescale == 1.0:
-                np.copyto(out, source.data, casting="unsafe")
-            else:
-                np.multiply(source.data, prescale, out=out, dtype=out.dtype, casting="unsafe")
-        self._current().enqueue("pack", run)
+            from gradsync.memory import HOST
 
-    def unpack(self, source: FakeArray, target: FakeArray, scale: float, floor_divisor: int) -> None:
-        def run():
-            data = source.data.reshape(target.shape)
-            if floor_divisor != 1:
-                data = np.floor_divide(data, floor_divisor)
-            if scale != 1.0:
-                data = np.multiply(data, scale)
-            np.copyto(target.data, data, casting="unsafe")
-        self._current().enqueue("unpack", run)
+            HOST.copy(source.data, target.data, scale)
+        self._current().enqueue("copy", run)
+
+    def floor_divide(self, array: FakeArray, divisor: int) -> None:
+        self._current().enqueue("floor_divide", lambda: np.floor_divide(array.data, divisor,
+                                                                          out=array.data))
 
     def pinned(self, dtype: np.dtype, count: int) -> np.ndarray:
         return np.full(count, 55, dtype)
@@ -250,7 +262,7 @@ def later(target: FakeArray, values: np.ndarray, delay: float) -> None:
 
 def read(x: FakeArray) -> np.ndarray:
     """Wait for the caller's current stream (like ``tensor.cpu()``) and return a copy of ``x``."""
-    event = FakeEvent()
+    event = FakeEvent(x.device)
     DEVICE.record(event, DEVICE.current_stream(x.device))
     DEVICE.synchronize(event)
     return x.data.copy()

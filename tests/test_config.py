@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from gradsync.config import SETTINGS, Config, injected_fault, markdown_table
+from gradsync.config import SETTINGS, Config, markdown_table
 
 
 def test_defaults():
@@ -116,9 +116,3 @@ def test_a_rank_failure_timeout_below_half_a_second_is_refused(value):
         Config.resolve(environ={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": value})
     assert Config.resolve(environ={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": "0"}).rank_failure_timeout_seconds == 0
 
-
-def test_the_test_fault_hook_parses_or_names_the_bad_value():
-    assert injected_fault({}) is None
-    assert injected_fault({"GRADSYNC_TEST_FAULT": "coordinator:1:5"}) == ("coordinator", 1, 5)
-    with pytest.raises(ValueError, match="GRADSYNC_TEST_FAULT='coordinator:x'"):
-        injected_fault({"GRADSYNC_TEST_FAULT": "coordinator:x"})

@@ -18,7 +18,7 @@ import pytest
 import fakegpu
 import gradsync
 from gradsync import CollectiveError, ReduceOp
-from gradsync.backends.nccl import accumulator as nccl_accumulator
+from gradsync.backends.nccl import traits as nccl_traits
 from gradsync.config import Config
 from gradsync.device import resolve_gpu_operations
 from mpi_launch import run_mpi
@@ -63,7 +63,8 @@ def test_gpu_operations_setting():
 def test_nccl_fusion_buffer_dtypes(dtype, average, expected):
     from gradsync import dtypes
 
-    assert nccl_accumulator(dtype, average) == dtypes.NUMPY_DTYPES[expected]
+    native = nccl_traits((2, 20, 0)).native
+    assert dtypes.accumulator(dtype, average, native) == dtypes.NUMPY_DTYPES[expected]
 
 
 @pytest.mark.torch
@@ -87,7 +88,8 @@ class FakeNccl:
     Its work runs on the stream given, like NCCL's kernels."""
 
     name = "fake NCCL"
-    accumulator = staticmethod(nccl_accumulator)
+    traits = nccl_traits((2, 20, 0))  # ncclAvg for floating dtypes
+    closed = None
 
     def __init__(self) -> None:
         self.groups: list[list[tuple]] = []
@@ -95,15 +97,13 @@ class FakeNccl:
         self.gate.set()
         self.entered = threading.Event()
         self.error: str | None = None
-        self.closed: list[bool] = []
+        self.closes: list[bool] = []  # the abort flag of each close()
 
     def allreduce(self, runtime, device, stream, buffers):
         assert runtime.current_stream(device) is stream, "NCCL work must go on the comm stream"
         self.entered.set()
         assert self.gate.wait(10)
         self.groups.append([(b.shape, dtype, op, logical) for b, dtype, op, logical in buffers])
-        # ncclAvg divides floating Averages itself; integer ones come back as sums.
-        return [op == ReduceOp.Average and dtype.kind == "f" for _, dtype, op, _ in buffers]
 
     def broadcast(self, runtime, device, stream, buffer, dtype, root):
         pass
@@ -115,7 +115,7 @@ class FakeNccl:
         return self.error
 
     def close(self, abort=False):
-        self.closed.append(abort)
+        self.closes.append(abort)
 
 
 @pytest.fixture
@@ -165,18 +165,27 @@ def test_fused_responses_of_one_cycle_go_in_one_group(fake_nccl):
     np.testing.assert_array_equal(fakegpu.read(ints), [7, -7, 3])  # a world of one: the mean is itself
 
 
-def test_an_async_nccl_error_stops_gradsync_with_the_error(fake_nccl):
+@pytest.mark.parametrize("error, raised", [
+    ("internal error - please report this issue to the NCCL developers (ncclResult_t 3)",
+     CollectiveError),
+    ("remote process exited or there was a network error (ncclResult_t 6)", gradsync.RankFailureError),
+])
+def test_an_async_nccl_error_stops_gradsync_with_the_error(fake_nccl, error, raised):
+    """A peer that NCCL lost is a rank failure (RankFailureError); any other error a CollectiveError."""
+    from gradsync.backends.nccl import NcclBackend
+
+    fake_nccl.peer_failed = NcclBackend.peer_failed
     tensor = fakegpu.array(np.ones(3, np.float32))
     fakegpu.later(tensor, np.ones(3, np.float32), delay=5.0)  # device work that never finishes in time
     gradsync.synchronize(gradsync.allreduce_async_(tensor, name="stuck"))
-    fake_nccl.error = "remote process exited or there was a network error (ncclResult_t 6)"
+    fake_nccl.error = error
     deadline = time.monotonic() + 10
     coordinator = gradsync.runtime.get().coordinator
     while coordinator.queue.closed_error is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    with pytest.raises(CollectiveError, match="GPU collectives failed: remote process exited"):
+    with pytest.raises(raised, match=f"GPU collectives failed: {error.split(' ')[0]}"):
         gradsync.allreduce_async_(fakegpu.array(np.ones(3, np.float32)), name="after")
-    assert fake_nccl.closed and fake_nccl.closed[0] is True, "the communicators were not aborted"
+    assert fake_nccl.closes and fake_nccl.closes[0] is True, "the communicators were not aborted"
 
 
 def test_allgather_and_broadcast_through_the_nccl_path(fake_nccl):
@@ -192,11 +201,76 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     gradsync.allreduce_(fakegpu.array(np.ones(2)), name="w")
     gradsync.shutdown()
     assert not [t for t in threading.enumerate() if t.name == "gradsync-device-watchdog"]
-    assert fake_nccl.closed == [False], "the communicators were not destroyed at shutdown"
+    assert fake_nccl.closes == [False], "the communicators were not destroyed at shutdown"
+
+
+def test_the_device_watchdog_binds_the_gpu_before_it_queries_events(fake_nccl):
+    """On CUDA a thread that queries an event without a current device gets a context on GPU 0
+    (about 0.5 GiB on every rank of an 8-GPU node)."""
+    fakegpu.DEVICE.unbound_queries = 0
+    tensor = fakegpu.array(np.ones(3, np.float32), device=1)
+    fakegpu.later(tensor, np.ones(3, np.float32), delay=0.2)  # the watchdog polls meanwhile
+    out = gradsync.allreduce(tensor, name="on1")
+    fakegpu.read(out)
+    time.sleep(0.1)
+    assert fakegpu.DEVICE.unbound_queries == 0
+
+
+def test_allgather_results_are_allocated_on_the_callers_stream(fake_nccl):
+    """With a caching allocator a result allocated on the coordinator's default stream could be
+    reused while the caller's stream still reads it."""
+    side = fakegpu.DEVICE.new_stream(0)
+    with fakegpu.DEVICE.on_stream(side, 0):
+        gathered = gradsync.allgather(fakegpu.array(np.arange(4.0).reshape(2, 2)), name="side")
+        np.testing.assert_array_equal(fakegpu.read(gathered), np.arange(4.0).reshape(2, 2))
+    assert gathered.stream is side
+
+
+def test_a_second_process_set_on_the_same_gpu_is_refused_with_nccl():
+    gradsync.init(gpu_operations="nccl")
+    try:
+        fake = FakeNccl()
+        gradsync.runtime.get().coordinator.device.backend = fake
+        gradsync.allreduce(fakegpu.array(np.ones(2, np.float32)), name="global")
+        pairs = gradsync.add_process_set([0])
+        with pytest.raises(ValueError, match=r"process set 0 already runs NCCL collectives on cuda:0"):
+            gradsync.allreduce_async(fakegpu.array(np.ones(2, np.float32)), name="set", process_set=pairs)
+    finally:
+        gradsync.shutdown()
+
+
+def test_a_pinned_buffer_grows_only_after_the_stream_is_done_with_the_old_one():
+    from gradsync.backends.staging import StagingBackend
+
+    class OneRankMpi:
+        comm = OneRank()
+
+        def allgather(self, send, recv, counts):
+            recv[:send.size] = send
+
+    device = fakegpu.DEVICE
+    stream = device.new_stream(0)
+    staging = StagingBackend(OneRankMpi())
+    pinned, idle_when_grown = device.pinned, []
+
+    def watched_pinned(dtype, count):
+        idle_when_grown.append(stream.idle())
+        return pinned(dtype, count)
+
+    device.pinned = watched_pinned
+    try:
+        with device.on_stream(stream, 0):
+            for count in (2, 8):  # the second grows both buffers
+                send, recv = fakegpu.array(np.ones(count)), fakegpu.array(np.zeros(count))
+                staging.allgather(device, 0, stream, send, recv, np.dtype(np.float64), [count])
+                stream.enqueue("slow", lambda: time.sleep(0.3))  # the copy back is still running
+    finally:
+        del device.pinned
+    assert idle_when_grown[2:] == [True, True], idle_when_grown
 
 
 # ---------------------------------------------------------------------------------------------------
-# The torch device runtime's pack/unpack math, on CPU tensors (the same code runs on CUDA tensors)
+# The torch device runtime's copy primitives, on CPU tensors (the same code runs on CUDA tensors)
 
 
 @pytest.mark.parametrize("dtype, buffer_dtype, prescale, scale, floor_divisor", [
@@ -205,10 +279,12 @@ def test_watchdog_thread_ends_at_shutdown(fake_nccl):
     ("bool", "uint8", 1.0, 1.0, 1), ("int16", "int32", 1.0, 1.0, 1),
 ])
 @pytest.mark.torch
-def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype, prescale, scale,
-                                                            floor_divisor):
+def test_torch_copies_match_the_host_copies(dtype, buffer_dtype, prescale, scale, floor_divisor):
+    """Pack (copy with the prescale into a wider buffer) and unpack (floor-divide, copy with the
+    scale into a strided tensor) through torch's primitives give numpy's results bit for bit."""
     torch = pytest.importorskip("torch")
-    from gradsync import dtypes, fusion
+    from gradsync import dtypes
+    from gradsync.memory import HOST
     from gradsync.torch.array import TORCH
     from gradsync.torch.device import DEVICE, torch_dtype
 
@@ -220,13 +296,16 @@ def test_torch_pack_and_unpack_match_the_host_fusion_copies(dtype, buffer_dtype,
     host_source = values[:, ::2]
     buffer = torch.empty(6, dtype=torch_dtype(np_buffer))
     host_buffer = np.empty(6, np_buffer)
-    DEVICE.pack(source, buffer, prescale)
-    fusion.pack(host_source, host_buffer, prescale)
+    DEVICE.copy(source, buffer, prescale)
+    HOST.copy(host_source, host_buffer, prescale)
     np.testing.assert_array_equal(TORCH.host_view(buffer), host_buffer)
     out = torch.empty((3, 2), dtype=source.dtype)
     host_out = np.empty((3, 2), np_dtype)
-    DEVICE.unpack(buffer, out, scale, floor_divisor)
-    fusion.unpack(host_buffer.copy(), host_out, scale, floor_divisor)
+    if floor_divisor != 1:
+        DEVICE.floor_divide(buffer, floor_divisor)
+        HOST.floor_divide(host_buffer, floor_divisor)
+    DEVICE.copy(buffer, out, scale)
+    HOST.copy(host_buffer, host_out, scale)
     np.testing.assert_array_equal(TORCH.host_view(out), host_out)
 
 
@@ -244,6 +323,12 @@ class RecordingComm:
 
     def broadcast(self, send, recv, count, dtype, root, stream):
         self.calls.append(("broadcast", send, recv, count, dtype, root, stream))
+
+    def abort(self):
+        self.calls.append(("abort",))
+
+    def destroy(self):
+        self.calls.append(("destroy",))
 
 
 class OneRank:
@@ -265,15 +350,15 @@ def test_nccl_backend_calls():
     floats = fakegpu.array(np.zeros(5, np.float32))
     flags = fakegpu.array(np.zeros(3, np.uint8))
     ints = fakegpu.array(np.zeros(4, np.int64))
-    divided = backend.allreduce(device, 0, stream, [
+    # What a plan sends: ncclAvg for floats; an integer Average as Sum (the plan floor-divides).
+    backend.allreduce(device, 0, stream, [
         (floats, floats.dtype, ReduceOp.Average, False), (flags, flags.dtype, ReduceOp.Sum, True),
-        (ints, ints.dtype, ReduceOp.Average, False)])
-    assert divided == [True, False, False]  # ncclAvg for floats; the integer mean is the caller's
+        (ints, ints.dtype, ReduceOp.Sum, False)])
     pointer = device.pointer
     assert comm.calls == [
         ("allreduce", pointer(floats), pointer(floats), 5, "float32", ReduceOp.Average, id(stream)),
         ("allreduce", pointer(flags), pointer(flags), 3, "bool", ReduceOp.Sum, id(stream)),
-        ("allreduce", pointer(ints), pointer(ints), 4, "int64", ReduceOp.Average, id(stream))]
+        ("allreduce", pointer(ints), pointer(ints), 4, "int64", ReduceOp.Sum, id(stream))]
     comm.calls.clear()
     send = fakegpu.array(np.zeros(2, np.float64))
     recv = fakegpu.array(np.zeros(9, np.float64))
@@ -283,3 +368,27 @@ def test_nccl_backend_calls():
         ("broadcast", base, base, 4, "int64", 0, id(stream)),
         ("broadcast", pointer(send), base + 4 * 8, 2, "int64", 1, id(stream)),
         ("broadcast", base + 6 * 8, base + 6 * 8, 3, "int64", 2, id(stream))]
+
+
+@pytest.mark.skipif(not gradsync.nccl_built(), reason="no NCCL library")
+def test_an_aborted_nccl_backend_refuses_work_and_never_makes_a_new_communicator():
+    """After the watchdog's abort, a later device batch of the same cycle must not create a new
+    communicator: its unique-id broadcast would wait for ranks that are not in it."""
+    from gradsync.backends.nccl import NcclBackend
+    from gradsync.errors import NcclError
+
+    class CountingRank(OneRank):
+        broadcasts = 0
+
+        def bcast(self, value, root):
+            CountingRank.broadcasts += 1
+            return value
+
+    backend = NcclBackend(CountingRank())
+    backend._comms[0] = RecordingComm()
+    backend.close(abort=True)
+    device = fakegpu.DEVICE
+    buffer = fakegpu.array(np.zeros(3, np.float32))
+    with pytest.raises(NcclError, match="the NCCL communicators were aborted after an error"):
+        backend.allreduce(device, 0, device.new_stream(0), [(buffer, buffer.dtype, ReduceOp.Sum, False)])
+    assert CountingRank.broadcasts == 0

@@ -68,15 +68,16 @@ def _leftovers(token: str, wait: float = 5.0) -> list[int]:
 
 
 def run_fault(ranks: int, mode: str, victim: int, when: str, hide_death: bool = False,
-              env: dict[str, str] | None = None):
-    """Run rank_dies.py; return (exit status, output, death time, {rank: (type, time, first line)})."""
+              env: dict[str, str] | None = None, flags: list[str] | None = None):
+    """Run rank_dies.py (``flags``: the launcher's, default: no clean-up after a loss); return
+    (exit status, output, death time, {rank: (type, time, first line)})."""
     if mpiexec() is None:
         pytest.skip("no mpiexec found")
     token = f"fault-{os.getpid()}-{time.monotonic_ns()}"
     program = [sys.executable, str(WORKERS / "rank_dies.py"), mode, str(victim), when, token]
     if hide_death:
         program = ["sh", "-c", '"$@"; sleep 300', "sh", *program]
-    cmd = [mpiexec(), *_no_cleanup_flags(), "-n", str(ranks), *program]
+    cmd = [mpiexec(), *(_no_cleanup_flags() if flags is None else flags), "-n", str(ranks), *program]
     job_env = {"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": str(TIMEOUT), **(env or {})}
     result = run_job(cmd, timeout=90, env=job_env, check=False)
     out = result.stdout
@@ -146,16 +147,43 @@ def test_open_mpi_ends_the_job_itself_when_a_rank_dies():
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_failed_coordinator_thread_is_raised_here_and_stops_the_others_at_once(ranks):
-    rc, out, _, errors = run_fault(ranks, "coordinator", 1, "steps",
-                                   env={"GRADSYNC_TEST_FAULT": "coordinator:1:5"})
+    rc, out, _, errors = run_fault(ranks, "coordinator", 1, "steps")
     # On the failing rank: its pending call and the next one raise the coordinator's exception.
     kind, failed_at, line = errors[1]
     assert kind == "GradsyncError", out
-    assert "the background coordinator failed: RuntimeError: fault injected by GRADSYNC_TEST_FAULT at " \
-        "cycle 5" in line, out
+    assert "the background coordinator failed: RuntimeError: fault injected at cycle 5" in line, out
     assert re.search(r"rank 1: AGAIN GradsyncError \| [^\n]*background coordinator failed", out), out
     # The others are told at once (well before the timeout), with the rank and its exception.
     others = {r: v for r, v in errors.items() if r != 1}
     took = check_survivors(ranks, 1, rc, out, failed_at, others,
                            "rank 1's background coordinator failed: RuntimeError: fault injected", 1.0)
     print(f"coordinator fault, {ranks} ranks: every other rank failed {took:.2f} s later; exit {rc}")
+
+
+ULFM = ["--with-ft", "ulfm"]
+
+
+def _needs_ulfm() -> None:
+    if mpiexec() is None or flavour() != "openmpi":
+        pytest.skip("ULFM process-failure errors: Open MPI's `mpiexec --with-ft ulfm`")
+    probe = run_job([mpiexec(), *ULFM, "-n", "1", sys.executable, "-c", "pass"], timeout=60, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"this Open MPI has no ULFM (--with-ft ulfm failed): {probe.stdout[-300:]}")
+
+
+def test_under_ulfm_a_process_failure_names_the_lost_rank_not_this_one():
+    """With ULFM the survivors' blocked call fails with MPI_ERR_PROC_FAILED (or revoked): that
+    must be the RankFailureError naming the lost rank, not "this rank's coordinator failed". Rank
+    failure detection is off here, so only MPI can report the loss."""
+    _needs_ulfm()
+    # SIGKILL: a non-zero exit would make Open MPI's launcher end the whole job instead.
+    rc, out, died, errors = run_fault(3, "kill", 2, "pending", flags=ULFM,
+                                      env={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": "0"})
+    assert died is not None and sorted(errors) == [0, 1], out
+    for rank in (0, 1):
+        kind, when, line = errors[rank]
+        assert kind == "RankFailureError", out
+        assert "rank 2 failed: MPI reported a process failure" in line or \
+            "another rank (MPI did not say which) failed" in line, out
+        assert "background coordinator failed" not in line, out
+        assert when - died <= 30, out

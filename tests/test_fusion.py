@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gradsync import fusion
+from gradsync import dtypes, fusion
+from gradsync.memory import HOST
 from gradsync.protocol import Kind, ReduceOp, Request, Response
 
 
@@ -139,39 +140,105 @@ def test_fusion_buffers_are_reused_per_dtype_and_grown_on_demand():
     assert not np.shares_memory(c, buffers.get(np.dtype(np.int64), 10))  # one buffer per dtype
 
 
-def test_pack_copies_any_strides_into_the_flat_buffer():
+def test_copy_packs_any_strides_into_the_flat_buffer():
     source = np.arange(12, dtype=np.int32).reshape(3, 4).T  # not contiguous
     buffer = np.zeros(12, np.int64)
-    fusion.pack(source, buffer, 1.0)
+    HOST.copy(source, buffer, 1.0)
     assert buffer.tolist() == source.ravel().tolist()
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
-def test_pack_prescales_16_bit_floats_in_float32(dtype):
+def test_copy_prescales_16_bit_floats_in_float32(dtype):
     """The inputs are scaled in the buffer's float32, not rounded to 16 bits before the sum."""
     source = np.array([1.0009765625, 0.58203125, 1.74609375, -3.0]).astype(dtype)
     buffer = np.empty(4, np.float32)
-    fusion.pack(source, buffer, 3.0)
+    HOST.copy(source, buffer, 3.0)
     assert buffer.tolist() == (source.astype(np.float32) * np.float32(3.0)).tolist()
 
 
-def test_unpack_floor_divides_integer_averages():
+def test_floor_divide_gives_the_floor_of_integer_averages():
     buffer = np.array([-3, 3, -4, 5, -1], np.int64)  # sums over 2 ranks
-    target = np.empty(5, np.int8)
-    fusion.unpack(buffer, target, 1.0, 2)
-    assert target.tolist() == [-2, 1, -2, 2, -1]  # floor, not truncation towards zero
+    HOST.floor_divide(buffer, 2)
+    assert buffer.tolist() == [-2, 1, -2, 2, -1]  # floor, not truncation towards zero
 
 
-def test_unpack_scales_and_rounds_once_into_a_strided_target():
+def test_copy_scales_and_rounds_once_into_a_strided_target():
     base = np.zeros((2, 6), np.float16)
     target = base[:, ::2]
     buffer = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 2049.0], np.float32)
-    fusion.unpack(buffer, target, 0.5, 1)
+    HOST.copy(buffer, target, 0.5)
     assert target.tolist() == [[0.5, 1.0, 1.5], [2.0, 2.5, 1024.0]]
     assert base[:, 1::2].tolist() == [[0.0] * 3] * 2  # the elements between are untouched
 
 
-def test_unpack_in_place_without_scale_leaves_the_values():
-    buffer = np.array([1.5, -2.0], np.float32)
-    fusion.unpack(buffer, buffer, 1.0, 1)
-    assert buffer.tolist() == [1.5, -2.0]
+# ---- the plan of one response ------------------------------------------------------------------
+
+class Member:
+    """An entry as the planner sees it: a request and this rank's source and target."""
+
+    def __init__(self, request, source, target=None):
+        self.request, self.source = request, source
+        self.target = source if target is None else target
+
+
+def context(rank=0, size=2, divisor=2, traits=None):
+    return fusion.Context(rank, size, divisor, HOST, traits or fusion.Traits())
+
+
+def test_a_lone_contiguous_tensor_is_reduced_in_its_own_memory():
+    x = np.ones(6, np.float32)
+    plan = fusion.plan(Response(Kind.ALLREDUCE, ("a",)), [Member(request("a", 6, op=ReduceOp.Sum), x)],
+                       context())
+    assert plan.in_place and plan.packs == () and plan.unpacks == ()
+    strided = np.ones(12, np.float32)[::2]
+    plan = fusion.plan(Response(Kind.ALLREDUCE, ("a",)), [Member(request("a", 6), strided)], context())
+    assert not plan.in_place and plan.dtype == np.float32  # packed into a fusion buffer
+
+
+def test_a_lone_float16_tensor_is_packed_into_float32_on_mpi_but_not_on_nccl():
+    x = np.ones(4, np.float16)
+    response = Response(Kind.ALLREDUCE, ("h",))
+    plan = fusion.plan(response, [Member(request("h", 4, dtype="float16"), x)], context())
+    assert (plan.dtype, plan.in_place) == (np.float32, False)
+    nccl = fusion.Traits(frozenset(dtypes.SUPPORTED) - {"int16"}, frozenset(dtypes.FLOATING))
+    plan = fusion.plan(response, [Member(request("h", 4, dtype="float16"), x)], context(traits=nccl))
+    assert (plan.dtype, plan.in_place) == (np.float16, True)
+
+
+@pytest.mark.parametrize("dtype, divisor, averages, expected", [
+    ("float32", 4, frozenset(), (ReduceOp.Sum, 0.5 / 4, 1)),            # MPI: Sum, divided in the unpack
+    ("float32", 4, frozenset({"float32"}), (ReduceOp.Average, 0.5, 1)),  # ncclAvg divides itself
+    ("float32", 3, frozenset({"float32"}), (ReduceOp.Sum, 0.5 / 3, 1)),  # joined ranks: not by the size
+    ("int32", 4, frozenset({"float32"}), (ReduceOp.Sum, 1.0, 4)),        # integers: floor of the mean
+])
+def test_the_average_rule(dtype, divisor, averages, expected):
+    post = 0.5 if dtype == "float32" else 1.0
+    req = request("a", dtype=dtype, op=ReduceOp.Average, postscale=post)
+    buffer = dtypes.accumulator(dtype, True)
+    got = fusion.reduction(req, buffer, divisor, 4, fusion.Traits(averages=averages))
+    assert (got.send_op, got.scale, got.floor_divisor) == expected
+
+
+def test_reducescatter_packs_rank_by_rank_and_receives_its_rows_of_every_member():
+    a, b = np.arange(6.0).reshape(3, 2), np.arange(4.0)
+    members = [Member(Request("g.0", Kind.REDUCESCATTER, 1, "float64", (3, 2), ReduceOp.Sum), a,
+                      np.empty((1, 2))),
+               Member(Request("g.1", Kind.REDUCESCATTER, 1, "float64", (4,), ReduceOp.Sum), b,
+                      np.empty(2))]
+    plan = fusion.plan(Response(Kind.REDUCESCATTER, ("g.0", "g.1")), members, context(rank=1))
+    # rank 0 gets rows 0-1 of a and 0-1 of b, rank 1 row 2 of a and rows 2-3 of b
+    assert [(c.member, c.offset, c.count, c.rows) for c in plan.packs] == [
+        (0, 0, 4, (0, 2)), (1, 4, 2, (0, 2)), (0, 6, 2, (2, 3)), (1, 8, 2, (2, 4))]
+    assert plan.counts == (6, 4)
+    assert [(c.member, c.offset, c.count) for c in plan.unpacks] == [(0, 0, 2), (1, 2, 2)]
+
+
+def test_a_grouped_allgather_unpacks_each_ranks_rows_of_each_member():
+    members = [Member(Request("g.0", Kind.ALLGATHER, 0, "int64", (2, 3)), np.zeros((2, 3), np.int64)),
+               Member(Request("g.1", Kind.ALLGATHER, 0, "int64", (1,)), np.zeros(1, np.int64))]
+    response = Response(Kind.ALLGATHER, ("g.0", "g.1"), first_dims=((2, 1), (1, 4)))
+    plan = fusion.plan(response, members, context())
+    assert plan.out_shapes == ((3, 3), (5,))
+    assert plan.counts == (2 * 3 + 1, 1 * 3 + 4)
+    assert [(c.member, c.offset, c.count, c.rows) for c in plan.unpacks] == [
+        (0, 0, 6, (0, 2)), (1, 6, 1, (0, 1)), (0, 7, 3, (2, 3)), (1, 10, 4, (1, 5))]

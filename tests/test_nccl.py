@@ -363,22 +363,28 @@ SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 
 
 @pytest.mark.parametrize("op, dtype, version, expected", [
-    (ReduceOp.Sum, "float32", NEW, (SUM, False)),
-    (ReduceOp.Product, "float32", NEW, (PROD, False)),
-    (ReduceOp.Max, "int64", NEW, (MAX, False)),
-    (ReduceOp.Min, "float16", NEW, (MIN, False)),
-    (ReduceOp.Average, "float32", NEW, (AVG, False)),
-    (ReduceOp.Average, "bfloat16", NEW, (AVG, False)),
-    (ReduceOp.Average, "float32", OLD, (SUM, True)),    # no ncclAvg before 2.10
-    (ReduceOp.Average, "int32", NEW, (SUM, True)),      # integer Average is floor(sum / size)
-    (ReduceOp.Sum, "bool", NEW, (MAX, False)),          # logical or
-    (ReduceOp.Max, "bool", NEW, (MAX, False)),
-    (ReduceOp.Min, "bool", NEW, (MIN, False)),          # logical and
-    (ReduceOp.Product, "bool", NEW, (MIN, False)),
-    (int(ReduceOp.Sum), "int8", NEW, (SUM, False)),     # a plain int is accepted as a ReduceOp
+    (ReduceOp.Sum, "float32", NEW, SUM),
+    (ReduceOp.Product, "float32", NEW, PROD),
+    (ReduceOp.Max, "int64", NEW, MAX),
+    (ReduceOp.Min, "float16", NEW, MIN),
+    (ReduceOp.Average, "float32", NEW, AVG),
+    (ReduceOp.Average, "bfloat16", NEW, AVG),
+    (ReduceOp.Sum, "bool", NEW, MAX),          # logical or
+    (ReduceOp.Max, "bool", NEW, MAX),
+    (ReduceOp.Min, "bool", NEW, MIN),          # logical and
+    (ReduceOp.Product, "bool", NEW, MIN),
+    (int(ReduceOp.Sum), "int8", NEW, SUM),     # a plain int is accepted as a ReduceOp
 ])
 def test_op_mapping(op, dtype, version, expected):
     assert nccl.nccl_op(op, dtype, version) == expected
+
+
+@pytest.mark.parametrize("dtype, version, averages", [
+    ("float32", NEW, True), ("float16", NEW, True), ("float32", OLD, False),  # ncclAvg from 2.10
+    ("int32", NEW, False),  # ncclAvg would truncate in int32; gradsync takes the floor of the mean
+])
+def test_which_averages_nccl_computes_itself(dtype, version, averages):
+    assert nccl.averages(dtype, version) is averages
 
 
 def test_op_mapping_rejections():
@@ -386,6 +392,10 @@ def test_op_mapping_rejections():
         nccl.nccl_op(ReduceOp.Average, "bool", NEW)
     with pytest.raises(TypeError, match="16-bit integer"):
         nccl.nccl_op(ReduceOp.Sum, "int16", NEW)
+    with pytest.raises(TypeError, match="has no average for int32: reduce with Sum and divide"):
+        nccl.nccl_op(ReduceOp.Average, "int32", NEW)
+    with pytest.raises(TypeError, match="has no average for float32"):
+        nccl.nccl_op(ReduceOp.Average, "float32", OLD)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -454,14 +464,13 @@ def test_gpu_communicator_properties(gpu_comm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, op", [("float32", ReduceOp.Sum), ("float32", ReduceOp.Average),
-                                       ("int32", ReduceOp.Average), ("float16", ReduceOp.Max),
+                                       ("int32", ReduceOp.Sum), ("float16", ReduceOp.Max),
                                        ("bool", ReduceOp.Sum)])
 def test_gpu_allreduce_world_of_one(gpu_comm, dtype, op):
     device, comm = gpu_comm
     data = (np.arange(10) % 2).astype(dtype) if dtype == "bool" else np.arange(10).astype(dtype)
     send, recv = device.upload(data), device.upload(np.zeros_like(data))
-    divisor = comm.allreduce(device.pointer(send), device.pointer(recv), data.size, dtype, op, device.stream())
-    assert divisor == (comm.size if (op == ReduceOp.Average and dtype == "int32") else 1)
+    comm.allreduce(device.pointer(send), device.pointer(recv), data.size, dtype, op, device.stream())
     np.testing.assert_array_equal(device.download(recv), data)
 
 

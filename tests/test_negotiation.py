@@ -49,7 +49,7 @@ def test_allgather_reports_every_ranks_first_dimension():
     requests = [Request("g", Kind.ALLGATHER, r, "float32", (rows, 2)) for r, rows in
                 enumerate((2, 0, 5))]
     reply = cycle(table, *[[r] for r in requests])
-    assert reply.responses == (Response(Kind.ALLGATHER, ("g",), first_dims=(2, 0, 5)),)
+    assert reply.responses == (Response(Kind.ALLGATHER, ("g",), first_dims=((2, 0, 5),)),)
 
 
 def test_a_shape_disagreement_fails_the_collective_listing_every_rank():

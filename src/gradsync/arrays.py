@@ -3,53 +3,29 @@
 The core works on host (CPU) memory through numpy *views* that share memory with the caller's
 tensor, so in-place operations write straight into it. Tensors in GPU memory are handed to the
 coordinator as they are, with their framework's :class:`gradsync.device.DeviceRuntime`. An
-:class:`ArrayAdapter` per framework says how to get that view, the tensor's dtype, shape and device,
-and how to allocate an output of the same kind. The torch adapter lives in :mod:`gradsync.torch` and
-is imported only when a torch tensor is first seen, so the core never imports a deep-learning
-framework.
+:class:`~gradsync.tensors.ArrayAdapter` per framework says how to get that view, the tensor's dtype,
+shape and device, and how to allocate and cast arrays of the same kind. numpy and DLPack arrays are
+handled here; the torch and CuPy adapters live in their own packages, which this dispatcher imports
+by name (:data:`ADAPTER_MODULES`) only when such an array is first seen, so the core never imports
+a deep-learning framework.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from . import dtypes
+from .tensors import ArrayAdapter, TensorInfo, registered
 
-if TYPE_CHECKING:
-    from .device import DeviceRuntime
+#: The adapter module of each framework gradsync knows by name, imported on first sight of one of
+#: its arrays; importing it registers its adapter (:func:`gradsync.tensors.register`).
+ADAPTER_MODULES = {"torch": "gradsync.torch.array", "cupy": "gradsync.cupy"}
 
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """What negotiation needs to know about a tensor: dtype name, shape and device string."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    device: str
-
-
-class ArrayAdapter(Protocol):
-    """How gradsync reads and allocates the arrays of one framework."""
-
-    def info(self, x: Any) -> TensorInfo:
-        """dtype name (see :mod:`gradsync.dtypes`), shape and device ('cpu', 'cuda:0', ...) of ``x``."""
-
-    def host_view(self, x: Any) -> np.ndarray:
-        """A writable numpy view sharing memory with ``x`` (which must be in host memory)."""
-
-    def empty(self, like: Any, shape: tuple[int, ...]) -> Any:
-        """A new uninitialised, C-contiguous array of ``shape`` with the dtype and device of ``like``."""
-
-    def from_host(self, like: Any, array: np.ndarray) -> Any:
-        """``array`` (a numpy array) as an array of ``like``'s framework, in host memory."""
-
-    def device_runtime(self, x: Any) -> DeviceRuntime | None:
-        """The :class:`gradsync.device.DeviceRuntime` of ``x``'s framework when ``x`` is in device
-        memory; None for host arrays."""
+__all__ = ["ADAPTER_MODULES", "ArrayAdapter", "DLPackAdapter", "NumpyAdapter", "TensorInfo",
+           "adapter_for"]
 
 
 class NumpyAdapter:
@@ -66,6 +42,9 @@ class NumpyAdapter:
 
     def from_host(self, like: np.ndarray, array: np.ndarray) -> np.ndarray:
         return array
+
+    def cast(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        return x.astype(dtypes.NUMPY_DTYPES[dtype])
 
     def device_runtime(self, x: np.ndarray) -> None:
         return None
@@ -90,6 +69,10 @@ class DLPackAdapter:
     def from_host(self, like: Any, array: np.ndarray) -> Any:
         return like.__array_namespace__().asarray(array)
 
+    def cast(self, x: Any, dtype: str) -> Any:
+        namespace = x.__array_namespace__()
+        return namespace.astype(x, getattr(namespace, dtype))
+
     def device_runtime(self, x: Any) -> None:
         return None  # device arrays of other frameworks are refused by gradsync.ops
 
@@ -99,8 +82,8 @@ _DLPACK = DLPackAdapter()
 
 
 def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
-    """The adapter for ``x``'s framework: numpy, torch (``gradsync.torch.array``), CuPy
-    (``gradsync.cupy``, imported on first sight), an array type that names its own adapter in a
+    """The adapter for ``x``'s framework: numpy, one of :data:`ADAPTER_MODULES` (torch, CuPy:
+    imported on first sight, where they register themselves), an array type that names its own adapter in a
     ``__gradsync_adapter__`` class attribute, or any DLPack/array-API array.
 
     Raises:
@@ -108,11 +91,13 @@ def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
     """
     if isinstance(x, np.ndarray):
         return _NUMPY
-    module = type(x).__module__.partition(".")[0]
-    if module == "torch":
-        return importlib.import_module("gradsync.torch.array").TORCH
-    if module == "cupy":
-        return importlib.import_module("gradsync.cupy").ADAPTER
+    framework = type(x).__module__.partition(".")[0]
+    if framework in ADAPTER_MODULES:
+        adapter = registered(framework)
+        if adapter is None:
+            importlib.import_module(ADAPTER_MODULES[framework])  # registers it
+            adapter = registered(framework)
+        return adapter
     own = getattr(type(x), "__gradsync_adapter__", None)
     if own is not None:
         return own

@@ -4,8 +4,9 @@ A compressor turns a gradient into the tensor that is allreduced (``compress``) 
 tensor back into a gradient (``decompress``). Compression happens before fusion and decompression
 after it, so compressed gradients are fused with each other like any others. The built-in ones cast
 floating-point gradients to 16 bits: half the bytes on the wire, at the cost of rounding each rank's
-gradient to 16 bits (gradsync sums 16-bit tensors in float32 and rounds the result once). Same
-interface as Horovod's ``hvd.Compression``.
+gradient to 16 bits. On the host (MPI) gradsync sums 16-bit tensors in float32 and rounds the result
+once; on GPUs with NCCL they are summed by NCCL in their own 16-bit dtype (docs/gpu.md), as
+Horovod's NCCL path does. Same interface as Horovod's ``hvd.Compression``.
 
 Write your own by implementing :class:`Compressor`'s two methods on any object; they receive and return
 tensors of the framework in use (torch tensors for DistributedOptimizer).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from . import dtypes
+from .arrays import adapter_for
 
 
 class Compressor(Protocol):
@@ -74,20 +75,10 @@ class Compression:
     bf16: Compressor = CastCompressor("bfloat16")
 
 
-def _is_torch(tensor: Any) -> bool:
-    return type(tensor).__module__.partition(".")[0] == "torch"
-
-
 def _dtype_name(tensor: Any) -> str:
-    if _is_torch(tensor):
-        return str(tensor.dtype).removeprefix("torch.")
-    return dtypes.dtype_name(tensor.dtype)
+    return adapter_for(tensor).info(tensor).dtype
 
 
 def _cast(tensor: Any, dtype: str) -> Any:
     """``tensor`` converted to the dtype named ``dtype`` (a new tensor of the same framework)."""
-    if _is_torch(tensor):
-        import torch
-
-        return tensor.to(getattr(torch, dtype))
-    return tensor.astype(dtypes.NUMPY_DTYPES[dtype])
+    return adapter_for(tensor).cast(tensor, dtype)

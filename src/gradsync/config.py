@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .errors import GradsyncError
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -153,26 +155,6 @@ def horovod_value(setting: Setting, environ: dict[str, str]) -> str | None:
 MIN_FAILURE_TIMEOUT = 0.5  # seconds; below it the liveness periods derived from it become too short
 
 
-def injected_fault(environ: dict[str, str] | None = None) -> tuple[str, int, int] | None:
-    """The fault that ``GRADSYNC_TEST_FAULT`` asks to inject, for gradsync's own tests only.
-
-    ``GRADSYNC_TEST_FAULT=coordinator:<rank>:<cycle>`` makes the background coordinator of rank
-    ``<rank>`` raise ``RuntimeError`` at the start of its ``<cycle>``-th negotiation cycle (counted
-    from 1). Not a user setting: it is not in :data:`SETTINGS` and never needed outside tests.
-    Returns ``(where, rank, cycle)`` or None when unset.
-
-    Raises:
-        ValueError: the value does not have that form.
-    """
-    text = (os.environ if environ is None else environ).get("GRADSYNC_TEST_FAULT", "")
-    if not text:
-        return None
-    parts = text.split(":")
-    if len(parts) != 3 or parts[0] != "coordinator" or not (parts[1].isdigit() and parts[2].isdigit()):
-        raise ValueError(f"GRADSYNC_TEST_FAULT={text!r}: expected coordinator:<rank>:<cycle>")
-    return parts[0], int(parts[1]), int(parts[2])
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Resolved configuration of one ``gradsync.init()``; see :data:`SETTINGS` for meanings."""
@@ -241,3 +223,22 @@ def markdown_table() -> str:
     rows += [f"| `{s.env}` | {s.unit} | `{s.default}` | {s.help} | "
              f"{f'`{s.horovod}`' if s.horovod else '-'} |" for s in SETTINGS]
     return "\n".join(rows)
+
+
+def check_shared(comm, config: Config) -> None:
+    """Check the settings that every rank of ``comm`` must share (each rank plans cached fusion by
+    itself; failure detection needs every rank's heartbeat). Collective over ``comm``.
+
+    Raises:
+        GradsyncError: they differ; the message lists each rank's values.
+    """
+    mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
+            config.rank_failure_timeout_seconds)
+    everyone = comm.allgather(mine)
+    if any(values != mine for values in everyone):
+        listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
+                           f"rank_failure_timeout_seconds={f:g}" for r, (t, c, j, f) in enumerate(everyone))
+        raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
+                            f"GRADSYNC_JOIN_DIVISOR and GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS must be the "
+                            f"same on every rank; got {listed}")
+

@@ -3,7 +3,8 @@
 The core never imports torch or cupy. A tensor in device memory comes with a :class:`DeviceRuntime`
 from its framework's adapter (``gradsync.torch.device`` for torch tensors, ``gradsync.cupy`` for
 CuPy arrays, each imported when such an array is first seen); the coordinator drives streams,
-events, device buffers and copies through it. Streams and events are the framework's own objects
+events, device buffers and copy primitives through it (the pack and unpack built on them are
+:mod:`gradsync.fusion`'s, the same as on the host). Streams and events are the framework's own objects
 (``torch.cuda.Stream``/``torch.cuda.Event``, ``cupy.cuda.Stream``/``cupy.cuda.Event``), so
 gradsync's work is ordered against the user's with the framework's own machinery.
 
@@ -39,7 +40,13 @@ class DeviceRuntime(Protocol):
         """The caller's current stream on ``device`` (where the framework enqueues its kernels)."""
 
     def new_stream(self, device: int) -> Any:
-        """A new stream on ``device`` that does not synchronise with the legacy default stream."""
+        """A stream on ``device`` of gradsync's own: not the legacy default stream, not synchronised
+        with it, and not one the framework hands to user code too (torch: a high-priority stream,
+        whose pool user code rarely draws from)."""
+
+    def bind(self, device: int) -> None:
+        """Make ``device`` the calling thread's current CUDA device (before a thread of gradsync's
+        touches events or streams: otherwise CUDA creates a context on device 0 for it)."""
 
     def stream_pointer(self, stream: Any) -> int:
         """The ``cudaStream_t`` of ``stream`` as an integer (what NCCL takes)."""
@@ -47,8 +54,9 @@ class DeviceRuntime(Protocol):
     def on_stream(self, stream: Any, device: int) -> contextlib.AbstractContextManager:
         """Context in which ``device`` and its ``stream`` are current: framework work goes onto it."""
 
-    def event(self, timing: bool = False) -> Any:
-        """A new event; ``timing``: it can be used with :meth:`elapsed_ms`."""
+    def event(self, device: int, timing: bool = False) -> Any:
+        """A new event on ``device`` (record it only on that device's streams); ``timing``: it can
+        be used with :meth:`elapsed_ms`."""
 
     def record(self, event: Any, stream: Any) -> None:
         """Record ``event`` on ``stream``: it completes when the work enqueued before it has run."""
@@ -81,14 +89,13 @@ class DeviceRuntime(Protocol):
     def flat(self, array: Any) -> Any:
         """A 1-d view of the C-contiguous ``array`` sharing its memory."""
 
-    def pack(self, source: Any, target: Any, prescale: float) -> None:
-        """Enqueue ``target[:] = source * prescale`` (``source`` any shape and strides; ``target`` a
-        1-d slice of a fusion buffer of the same size, perhaps of a wider dtype) on the current stream."""
+    def copy(self, source: Any, target: Any, scale: float) -> None:
+        """Enqueue ``target[...] = source * scale`` on the current stream, cast to ``target``'s
+        dtype and computed in the wider of the two dtypes; as :meth:`gradsync.memory.Memory.copy`
+        (one side may be a 1-d buffer slice, viewed in the other's shape)."""
 
-    def unpack(self, source: Any, target: Any, scale: float, floor_divisor: int) -> None:
-        """Enqueue ``target[...] = source * scale`` (floating) or ``source // floor_divisor``
-        (integer Average), cast to ``target``'s dtype, on the current stream; as
-        :func:`gradsync.fusion.unpack` does on the host."""
+    def floor_divide(self, array: Any, divisor: int) -> None:
+        """Enqueue ``array //= divisor`` (an integer array, in place) on the current stream."""
 
     def pinned(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A 1-d numpy array of ``count`` elements in page-locked host memory."""

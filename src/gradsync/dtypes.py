@@ -1,13 +1,17 @@
 """Data types gradsync moves, and the rules for reducing them.
 
-Reductions are computed in an *accumulator* dtype that MPI supports exactly:
+Reductions are computed in an *accumulator* dtype that the backend supports exactly
+(:func:`accumulator`; the backend says only which dtypes it reduces natively: MPI all but the
+16-bit floats, NCCL all but int16):
 
 ==========================  =====================  =================================================
 tensor dtype                accumulator            why
 ==========================  =====================  =================================================
-float16, bfloat16           float32                MPI has no 16-bit floating-point type; summing
+float16, bfloat16 (MPI)     float32                MPI has no 16-bit floating-point type; summing
                                                    in float32 and rounding once is also more exact.
+                                                   (NCCL sums them natively, in 16 bits.)
 int8, int16, int32, uint8   int64 for ``Average``  the sum must not overflow before the division.
+int16 (NCCL)                int32                  NCCL has no 16-bit integer type.
 bool                        uint8 (logical ops)    Sum/Max are logical OR, Min/Product logical AND.
 everything else             itself
 ==========================  =====================  =================================================
@@ -48,12 +52,21 @@ def dtype_name(dtype: np.dtype) -> str:
     return dtype.name
 
 
-def accumulator(dtype: str, average: bool) -> np.dtype:
-    """The numpy dtype in which a reduction of ``dtype`` is computed (see the module table)."""
-    if dtype in ("float16", "bfloat16"):
-        return np.dtype(np.float32)
+#: What MPI reduces natively: everything but the 16-bit floats (MPI has no such type).
+MPI_NATIVE = frozenset(SUPPORTED) - {"float16", "bfloat16"}
+_WIDER = {"float16": "float32", "bfloat16": "float32", "int16": "int32"}
+
+
+def accumulator(dtype: str, average: bool, native: frozenset[str] = MPI_NATIVE) -> np.dtype:
+    """The numpy dtype in which a reduction of ``dtype`` is computed (see the module table),
+    by a backend that reduces the dtypes in ``native`` as they are (default: MPI's): bool as 0/1
+    uint8, an integer Average in int64 (the floor of the exact mean needs the exact sum), a dtype
+    the backend lacks in the next wider one (float16, bfloat16 -> float32; int16 -> int32, whose
+    sums modulo 2**16 are the wrapped int16 sums), everything else in itself."""
     if dtype == "bool":
         return np.dtype(np.uint8)
-    if average and dtype in INTEGER and dtype != "int64":
+    if average and dtype in INTEGER:
         return np.dtype(np.int64)
+    if dtype not in native:
+        return NUMPY_DTYPES[_WIDER[dtype]]
     return NUMPY_DTYPES[dtype]

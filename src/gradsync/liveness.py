@@ -38,6 +38,8 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
+from .protocol import Response
+
 log = logging.getLogger("gradsync")
 
 _BEACON, _LOST = 1, 2  # tags on the watchdog's communicator
@@ -178,3 +180,67 @@ def _completed(request: MPI.Request) -> bool:
         return request.Test()
     except MPI.Exception:
         return True  # a send that failed is finished with
+
+
+def start(comm: MPI.Comm, timeout: float, heartbeat: float | None, busy: Callable[[], Busy],
+          on_lost: Callable[[tuple[int, ...], str], None],
+          world_ranks: list[int] | None = None) -> Watchdog | None:
+    """A :class:`Watchdog` on a duplicate of ``comm`` for the failure ``timeout`` (seconds; 0: off,
+    then None), given the coordinator's idle ``heartbeat``."""
+    if timeout <= 0:
+        return None
+    return Watchdog(comm.Dup(), LivenessTiming.from_timeout(timeout, heartbeat), busy, on_lost,
+                    world_ranks=world_ranks)
+
+
+def _process_failure_classes() -> frozenset[int]:
+    """MPI's error classes for a failed process (ULFM: MPI_ERR_PROC_FAILED, ..._PENDING,
+    MPI_ERR_REVOKED), where the library has them (mpi4py gives absent ones MPI_ERR_UNKNOWN)."""
+    classes = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+    return frozenset(c for c in classes if c != MPI.ERR_UNKNOWN)
+
+
+def process_failure(exc: BaseException, comm: MPI.Comm) -> tuple[int, ...] | None:
+    """The ranks of ``comm`` that failed, when ``exc`` is MPI's process-failure error (ULFM, e.g.
+    Open MPI with ``mpiexec --with-ft ulfm``); () when MPI does not say which; None when ``exc`` is
+    another error. On such an error ``comm`` is revoked, so that every survivor blocked in a
+    collective on it gets the error too (MPI_ERR_REVOKED) instead of waiting."""
+    if not isinstance(exc, MPI.Exception) or exc.Get_error_class() not in _process_failure_classes():
+        return None
+    try:
+        comm.Revoke()
+    except (MPI.Exception, NotImplementedError):
+        pass
+    try:
+        failed = comm.Get_failed()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), comm.Get_group())
+        failed.Free()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return ()
+    return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
+
+
+def process_failure_reason(lost: tuple[int, ...], world: Callable[[int], int],
+                           exc: BaseException) -> str:
+    """The message of a process failure that MPI reported (``lost``: ranks of the communicator,
+    named as world ranks by ``world``)."""
+    named = [world(r) for r in lost]
+    who = (f"rank {named[0]}" if len(named) == 1 else f"ranks {named}" if named
+           else "another rank (MPI did not say which)")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{who} failed: MPI reported a process failure ({first})"
+
+
+class Described:
+    """A response, described in words only when a verdict needs it (the coordinator's hot path
+    stores it in ``busy`` as it is)."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+    def __str__(self) -> str:
+        names = ", ".join(repr(n) for n in self.response.names[:3])
+        more = f" and {len(self.response.names) - 3} more" if len(self.response.names) > 3 else ""
+        return f"{self.response.kind.name.lower()} {names}{more}"

@@ -38,7 +38,7 @@ from .protocol import ReduceOp
 
 __all__ = [
     "ENV_LIBRARY", "Library", "load_library", "version", "decode_version", "unique_id",
-    "Communicator", "group", "check", "nccl_dtype", "nccl_op", "nccl_built", "nccl_version",
+    "Communicator", "group", "check", "nccl_dtype", "nccl_op", "averages", "nccl_built", "nccl_version",
     "NcclError", "NcclUnavailableError",
 ]
 
@@ -48,6 +48,8 @@ LIBRARY_NAME = "libnccl.so.2"
 #: pip distributions that ship libnccl.so.2, in the order they are looked at.
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
 UNIQUE_ID_BYTES = 128
+#: ncclRemoteError: a peer exited or its network failed.
+REMOTE_ERROR = 6
 
 #: NCCL version that added ncclAvg and ncclBfloat16.
 _AVG_AND_BF16 = (2, 10, 0)
@@ -319,17 +321,23 @@ def nccl_dtype(dtype: str, nccl: tuple[int, int, int] | None = None) -> int:
     return _const(_DTYPES[dtype])
 
 
-def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) -> tuple[int, bool]:
-    """The ``ncclRedOp_t`` for ``op`` on ``dtype`` tensors, and whether the caller must still divide.
+def averages(dtype: str, nccl: tuple[int, int, int] | None = None) -> bool:
+    """Whether NCCL (version ``nccl``, default: the loaded one) averages ``dtype`` itself: ncclAvg,
+    floating-point dtypes from NCCL 2.10 on. It divides by the communicator's size."""
+    return dtype in _FLOATING and (nccl or version()) >= _AVG_AND_BF16
 
-    Returns ``(nccl_red_op, divide)``. ``divide`` is True only for ``Average`` computed as ``ncclSum``:
-    the caller divides the result by the number of ranks. That happens for integer dtypes (ncclAvg
-    would truncate in the tensor's own dtype, and gradsync's integer Average is the floor of the exact
-    mean, computed in a wide accumulator) and for NCCL older than 2.10, which has no ncclAvg.
+
+def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) -> int:
+    """The ``ncclRedOp_t`` for ``op`` on ``dtype`` tensors, for NCCL version ``nccl``.
+
+    ``Average`` is ncclAvg, where NCCL has it for ``dtype`` (:func:`averages`); elsewhere reduce
+    with Sum and divide (gradsync's fusion plan does: its integer Average is the floor of the exact
+    mean, which ncclAvg, truncating in the tensor's own dtype, would not give).
     bool: Sum and Max are logical or (ncclMax on 0/1), Min and Product logical and (ncclMin).
 
     Raises:
-        TypeError: Average of bool, or an unsupported dtype (see :func:`nccl_dtype`).
+        TypeError: Average of bool, Average that this NCCL does not compute for ``dtype``, or an
+            unsupported dtype (see :func:`nccl_dtype`).
     """
     op = ReduceOp(op)
     nccl_dtype(dtype, nccl)
@@ -337,12 +345,13 @@ def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) 
         if op == ReduceOp.Average:
             raise TypeError("op=Average is not defined for bool tensors; use Sum (logical or) or "
                             "Min (logical and)")
-        return _const(_BOOL_OPS[op]), False
+        return _const(_BOOL_OPS[op])
     if op == ReduceOp.Average:
-        if dtype in _FLOATING and (nccl or version()) >= _AVG_AND_BF16:
-            return _const("ncclAvg"), False
-        return _const("ncclSum"), True
-    return _const(_OPS[op]), False
+        if averages(dtype, nccl):
+            return _const("ncclAvg")
+        raise TypeError(f"NCCL {_dotted(nccl or version())} has no average for {dtype}: reduce with "
+                        "Sum and divide the result")
+    return _const(_OPS[op])
 
 
 def _dotted(v: tuple[int, int, int]) -> str:
@@ -494,18 +503,14 @@ class Communicator:
                 ffi.cast("cudaStream_t", operator.index(stream)))
 
     def allreduce(self, sendptr: int, recvptr: int, count: int, dtype: str, op: ReduceOp,
-                  stream: int) -> int:
-        """ncclAllReduce of ``count`` elements (in place when ``sendptr == recvptr``).
-
-        Returns the number the caller must still divide the result by: 1, or the number of ranks when
-        ``op`` is Average and NCCL ran it as Sum (see :func:`nccl_op`).
-        """
-        red_op, divide = nccl_op(op, dtype, self._library.version)
+                  stream: int) -> None:
+        """ncclAllReduce of ``count`` elements (in place when ``sendptr == recvptr``); ``op`` as
+        :func:`nccl_op` maps it (Average only where NCCL averages ``dtype``)."""
+        red_op = nccl_op(op, dtype, self._library.version)
         (send, recv), count, datatype, comm, cuda_stream = self._args(
             "ncclAllReduce", (sendptr, recvptr), count, dtype, stream)
         self._check(self._library.lib.ncclAllReduce(send, recv, count, datatype, red_op, comm, cuda_stream),
                     "ncclAllReduce")
-        return self.size if divide else 1
 
     def broadcast(self, sendptr: int, recvptr: int, count: int, dtype: str, root: int, stream: int) -> None:
         """ncclBroadcast of ``count`` elements from ``root``'s ``sendptr`` into every ``recvptr``."""
@@ -523,15 +528,14 @@ class Communicator:
                     "ncclAllGather")
 
     def reducescatter(self, sendptr: int, recvptr: int, recvcount: int, dtype: str, op: ReduceOp,
-                      stream: int) -> int:
+                      stream: int) -> None:
         """ncclReduceScatter: reduce ``sendptr`` (size x recvcount) and leave block ``rank`` in
-        ``recvptr``. Returns the divisor still to apply, as :meth:`allreduce`."""
-        red_op, divide = nccl_op(op, dtype, self._library.version)
+        ``recvptr``; ``op`` as :meth:`allreduce`."""
+        red_op = nccl_op(op, dtype, self._library.version)
         (send, recv), count, datatype, comm, cuda_stream = self._args(
             "ncclReduceScatter", (sendptr, recvptr), recvcount, dtype, stream)
         self._check(self._library.lib.ncclReduceScatter(send, recv, count, datatype, red_op, comm,
                                                         cuda_stream), "ncclReduceScatter")
-        return self.size if divide else 1
 
     def send(self, sendptr: int, count: int, dtype: str, peer: int, stream: int) -> None:
         """ncclSend of ``count`` elements to ``peer`` (pair it with the peer's recv, inside :func:`group`

@@ -186,13 +186,12 @@ class MessageTable:
             elif first.kind == Kind.ALLREDUCE:
                 allreduces.append(first)
             elif first.kind == Kind.ALLGATHER:
-                dims = tuple(0 if slot is None else slot.shape[0] for slot in slots)
-                responses.append(Response(first.kind, (name,), first_dims=dims))
+                responses.append(Response(first.kind, (name,), first_dims=(_first_dims(slots),)))
             elif first.kind == Kind.ALLTOALL:  # a joined rank sends no rows
                 matrix = tuple((0,) * self.size if slot is None else slot.splits for slot in slots)
                 responses.append(Response(first.kind, (name,), split_matrix=matrix))
             elif first.kind == Kind.JOIN:
-                responses.append(Response(first.kind, (name,), first_dims=(self.joined[-1],)))
+                responses.append(Response(first.kind, (name,), last_joined=self.joined[-1]))
                 self.joined = []
                 joined = set()
             else:
@@ -215,15 +214,25 @@ class MessageTable:
     def _group_response(self, names: tuple[str, ...], representative: dict[str, Request]) -> Response:
         """One response for a whole group: every member fused, or an error for every member."""
         error = None
+        first_dims = []
         for name in names:
             slots, first = self._take(name, representative)
             error = error or _disagreement(slots, self.world)
+            first_dims.append(_first_dims(slots))
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
         if error is not None:
             kind = first.kind.name.lower()
-            error = f"grouped {kind} {first.group!r} fails as a whole: {error}"
-        return Response(first.kind, names, error=error)
+            return Response(first.kind, names, error=f"grouped {kind} {first.group!r} fails as a whole: "
+                                                     f"{error}")
+        if first.kind == Kind.ALLGATHER:
+            return Response(first.kind, names, first_dims=tuple(first_dims))
+        return Response(first.kind, names)
+
+
+def _first_dims(slots: list[Request | None]) -> tuple[int, ...]:
+    """Each rank's first dimension (allgather); a rank that joined and did not submit gives 0 rows."""
+    return tuple(0 if slot is None or not slot.shape else slot.shape[0] for slot in slots)
 
 
 def _disagreement(slots: list[Request | None], world: tuple[int, ...]) -> str | None:
@@ -232,8 +241,8 @@ def _disagreement(slots: list[Request | None], world: tuple[int, ...]) -> str | 
     message names world ranks, also as root ranks."""
     present = [(world[rank], r) for rank, r in enumerate(slots) if r is not None]
     first = present[0][1]
-    signature = first[:2] + first[3:]
-    if first.kind not in _VARIABLE_FIRST_DIM and all(r[:2] + r[3:] == signature for _, r in present):
+    signature = first.signature()
+    if first.kind not in _VARIABLE_FIRST_DIM and all(r.signature() == signature for _, r in present):
         return None  # the common case: equal but for the rank
     kind = first.kind.name.lower()
     for field, word in _AGREED_FIELDS:

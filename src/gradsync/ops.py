@@ -14,19 +14,22 @@ tensors.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from . import dtypes, runtime
 from .arrays import adapter_for
-from .coordinator import Coordinator, Entry
 from .device import DeviceRuntime, device_kind
 from .fusion import split_rows
 from .handles import GroupHandle, Handle
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
+from .queue import Entry
+
+if TYPE_CHECKING:  # imported by init() only (it imports mpi4py.MPI)
+    from .coordinator import Coordinator
 
 _SUPPORTED = ", ".join(dtypes.SUPPORTED)
 
@@ -80,15 +83,39 @@ def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
 
 def _entry(request: Request, source: Any, target: Any, result: Any, device: DeviceRuntime | None,
            allocate=None) -> Entry:
-    """The coordinator's entry; for a device tensor it records, on the caller's current stream, the
-    event after which the tensor's data is ready (the coordinator's stream waits for it)."""
+    """The coordinator's entry; for a device tensor it records the caller's current stream (where
+    results are allocated) and, on it, the event after which the tensor's data is ready (the
+    coordinator's stream waits for it)."""
     entry = Entry(request, Handle(request.name), source, target, result, allocate)
     if device is not None:
         entry.runtime = device
         entry.device = device.device_index(source)
-        entry.ready = device.event()
-        device.record(entry.ready, device.current_stream(entry.device))
+        entry.stream = device.current_stream(entry.device)
+        entry.ready = device.event(entry.device)
+        device.record(entry.ready, entry.stream)
     return entry
+
+
+class _Prepared(NamedTuple):
+    """One tensor, checked and ready to queue: its process set's coordinator, its request (named
+    when it is queued), the Entry's source, target and result, its device runtime (None in host
+    memory) and the allocator of its result (allgather, alltoall)."""
+
+    coordinator: Coordinator
+    request: Request
+    source: Any
+    target: Any
+    result: Any
+    device: DeviceRuntime | None
+    allocate: Callable[..., tuple[Any, Any]] | None = None
+
+    def entry(self, name: str, group: str = "", group_size: int = 0) -> Entry:
+        request = self.request._replace(name=name, group=group, group_size=group_size)
+        return _entry(request, self.source, self.target, self.result, self.device, self.allocate)
+
+    def submit(self, name: str | None, kind: str) -> Handle:
+        """Queue it alone under ``name`` (None: an automatic name for ``kind``)."""
+        return self.coordinator.submit(self.entry(_name(self.coordinator, name, kind)))
 
 
 def _name(coordinator: Coordinator, name: str | None, kind: str) -> str:
@@ -138,10 +165,8 @@ def _host_only(device: DeviceRuntime | None, kind: Kind, where: str) -> None:
 
 def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, process_set: ProcessSet,
-               where: str | None = None):
-    """Check the input of an allreduce or reducescatter (one member of a group, given ``where``);
-    return the coordinator, the tensor's dtype, the Request fields after kind and rank
-    (dtype .. postscale), the device kind, the Entry's (source, target, result) and the device runtime."""
+               where: str | None = None) -> _Prepared:
+    """Check the input of an allreduce or reducescatter (one member of a group, given ``where``)."""
     coordinator, adapter, info, device, where = _prepare(tensor, name, kind, process_set, where)
     try:
         op = ReduceOp(op)
@@ -159,9 +184,10 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
             raise ValueError(f"{where}: needs at least one dimension to scatter, got a 0-d tensor "
                              "(reshape it to (1,))")
         shape = (split_rows(shape[0], coordinator.size)[coordinator.rank],) + tuple(shape[1:])
-    views = _output(adapter, tensor, shape, in_place, where, device)
-    fields = (info.dtype, info.shape, op, -1, prescale, postscale)
-    return coordinator, info.dtype, fields, device_kind(info.device), views, device
+    source, target, result = _output(adapter, tensor, shape, in_place, where, device)
+    request = Request("", kind, coordinator.rank, info.dtype, info.shape, op, prescale=prescale,
+                      postscale=postscale, device=device_kind(info.device))
+    return _Prepared(coordinator, request, source, target, result, device)
 
 
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
@@ -169,11 +195,18 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
                kind: Kind = Kind.ALLREDUCE) -> Handle:
     if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum:
         return _adasum([tensor], name, in_place, prescale_factor, postscale_factor, process_set, False)
-    coordinator, _, fields, memory, views, device = _reduction(
-        tensor, name, kind, op, prescale_factor, postscale_factor, in_place, process_set)
-    name = _name(coordinator, name, kind.name.lower())
-    request = Request(name, kind, coordinator.rank, *fields, device=memory)
-    return coordinator.submit(_entry(request, *views, device))
+    prepared = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor, in_place,
+                          process_set)
+    return prepared.submit(name, kind.name.lower())
+
+
+def _grouped_reduction(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
+                       prescale_factor: float, postscale_factor: float, in_place: bool,
+                       process_set: ProcessSet) -> GroupHandle:
+    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum and isinstance(tensors, (list, tuple)) and tensors:
+        return _adasum(tensors, name, in_place, prescale_factor, postscale_factor, process_set, True)
+    return _grouped(tensors, name, kind, process_set, lambda tensor, where: _reduction(
+        tensor, None, kind, op, prescale_factor, postscale_factor, in_place, process_set, where))
 
 
 def _adasum(*args) -> Handle | GroupHandle:
@@ -182,12 +215,10 @@ def _adasum(*args) -> Handle | GroupHandle:
     return allreduce_async(*args)
 
 
-def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
-             prescale_factor: float, postscale_factor: float, in_place: bool,
-             process_set: ProcessSet) -> GroupHandle:
-    """Check every member, then submit them all at once as one group (or none, on any error)."""
-    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum and isinstance(tensors, (list, tuple)) and tensors:
-        return _adasum(tensors, name, in_place, prescale_factor, postscale_factor, process_set, True)
+def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, process_set: ProcessSet,
+             prepare: Callable[[Any, str], _Prepared]) -> GroupHandle:
+    """Check every member (``prepare(tensor, where)``), then submit them all at once as one
+    group (or none, on any error)."""
     rt = runtime.get()
     label = "(unnamed)" if name is None else repr(str(name))
     where = f"gradsync: rank {rt.rank}: grouped_{kind.name.lower()} {label}"
@@ -197,18 +228,15 @@ def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
                         f"{type(tensors).__module__}.{type(tensors).__qualname__}")
     if not tensors:
         raise ValueError(f"{where}: the group is empty; pass at least one tensor")
-    members = [_reduction(t, None, kind, op, prescale_factor, postscale_factor, in_place,
-                          process_set, f"{where}, member {i}") for i, t in enumerate(tensors)]
-    for what, position in (("dtype", 1), ("kind of memory", 3)):
-        seen = [member[position] for member in members]
+    members = [prepare(t, f"{where}, member {i}") for i, t in enumerate(tensors)]
+    for what, field in (("dtype", "dtype"), ("kind of memory", "device")):
+        seen = [getattr(member.request, field) for member in members]
         if len(set(seen)) > 1:
             listed = ", ".join(f"member {i}: {v}" for i, v in enumerate(seen))
             raise TypeError(f"{where}: every member of a group must have the same {what} (they are "
                             f"fused into one buffer); got {listed}")
     group = _name(coordinator, name, f"grouped_{kind.name.lower()}")
-    entries = [_entry(Request(f"{group}.{i}", kind, coordinator.rank, *fields, (), group, len(members),
-                              device=memory), *views, device)
-               for i, (_, _, fields, memory, views, device) in enumerate(members)]
+    entries = [member.entry(f"{group}.{i}", group, len(members)) for i, member in enumerate(members)]
     return GroupHandle(group, coordinator.submit_group(entries))
 
 
@@ -312,8 +340,8 @@ def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
         ValueError: an empty group; unknown ``op``; a member name still in flight.
         CollectiveError (from synchronize): the whole group failed, see below.
     """
-    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, False,
-                    process_set)
+    return _grouped_reduction(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor,
+                              False, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
@@ -324,8 +352,8 @@ def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
 
     Same arguments and errors, plus ValueError for a read-only member.
     """
-    return _grouped(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor, True,
-                    process_set)
+    return _grouped_reduction(tensors, name, Kind.ALLREDUCE, op, prescale_factor, postscale_factor,
+                              True, process_set)
 
 
 def grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
@@ -342,8 +370,9 @@ def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async_`: reduces every tensor in place, returns the list."""
-    return synchronize(grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
+                                      process_set)
+    return synchronize(handle)
 
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -404,8 +433,8 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
         ValueError: as :func:`grouped_allreduce_async`, and for a 0-d member.
         NotImplementedError: ``op=Adasum``.
     """
-    return _grouped(tensors, name, Kind.REDUCESCATTER, op, prescale_factor, postscale_factor, False,
-                    process_set)
+    return _grouped_reduction(tensors, name, Kind.REDUCESCATTER, op, prescale_factor,
+                              postscale_factor, False, process_set)
 
 
 def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
@@ -484,9 +513,9 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
         received_splits = adapter.from_host(tensor, np.array(received, np.int64))
         return (output, received_splits), adapter.host_view(output)
 
-    name = _name(coordinator, name, "alltoall")
-    request = Request(name, Kind.ALLTOALL, coordinator.rank, info.dtype, info.shape, splits=splits)
-    return coordinator.submit(_entry(request, adapter.host_view(tensor), None, None, None, allocate))
+    request = Request("", Kind.ALLTOALL, coordinator.rank, info.dtype, info.shape, splits=splits)
+    return _Prepared(coordinator, request, adapter.host_view(tensor), None, None, None,
+                     allocate).submit(name, "alltoall")
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
@@ -500,10 +529,9 @@ def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool,
     coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.BROADCAST, process_set)
     root = _root(coordinator, root_rank, where)
     source, target, result = _output(adapter, tensor, info.shape, in_place, where, device)
-    name = _name(coordinator, name, "broadcast")
-    request = Request(name, Kind.BROADCAST, coordinator.rank, info.dtype, info.shape, root=root,
+    request = Request("", Kind.BROADCAST, coordinator.rank, info.dtype, info.shape, root=root,
                       device=device_kind(info.device))
-    return coordinator.submit(_entry(request, source, target, result, device))
+    return _Prepared(coordinator, request, source, target, result, device).submit(name, "broadcast")
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
@@ -540,6 +568,23 @@ def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
+def _gathered(tensor: Any, name: str | None, process_set: ProcessSet,
+              where: str | None = None) -> _Prepared:
+    """Check the input of an allgather (one member of a group, given ``where``)."""
+    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLGATHER, process_set,
+                                                         where)
+    _check_not_scalar(info.shape, where)
+    view = adapter.host_view if device is None else device.view
+
+    def allocate(shape: tuple[int, ...]) -> tuple[Any, Any]:
+        result = adapter.empty(tensor, shape)
+        return result, view(result)
+
+    request = Request("", Kind.ALLGATHER, coordinator.rank, info.dtype, info.shape,
+                      device=device_kind(info.device))
+    return _Prepared(coordinator, request, view(tensor), None, None, device, allocate)
+
+
 def allgather_async(tensor: Any, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather: the ranks' tensors concatenated along dimension 0, in rank order.
@@ -555,25 +600,51 @@ def allgather_async(tensor: Any, name: str | None = None,
     Raises:
         ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
     """
-    coordinator, adapter, info, device, where = _prepare(tensor, name, Kind.ALLGATHER, process_set)
-    _check_not_scalar(info.shape, where)
-
-    view = adapter.host_view if device is None else device.view
-
-    def allocate(shape: tuple[int, ...]) -> tuple[Any, Any]:
-        result = adapter.empty(tensor, shape)
-        return result, view(result)
-
-    name = _name(coordinator, name, "allgather")
-    request = Request(name, Kind.ALLGATHER, coordinator.rank, info.dtype, info.shape,
-                      device=device_kind(info.device))
-    return coordinator.submit(_entry(request, view(tensor), None, None, device, allocate))
+    return _gathered(tensor, name, process_set).submit(name, "allgather")
 
 
 def allgather(tensor: Any, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allgather_async`: returns the concatenated tensor."""
     return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """Start an allgather of every tensor of ``tensors`` as one group; same semantics as
+    :func:`allgather_async` for each member (as Horovod's ``grouped_allgather``).
+
+    The members are negotiated as one unit: none runs before every rank has submitted the whole
+    group; then all of them move together, packed into one buffer (one MPI_Allgatherv, or one
+    group of NCCL broadcasts). If the ranks disagree on any member (dtype, trailing shape, number
+    of members), every member fails on every rank with one CollectiveError naming the group.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors of one dtype and one kind of memory, each
+            with at least one dimension; per member, dimension 0 may differ between ranks, the
+            others must match.
+        name: the group's name (members are ``name.0``, ``name.1``, ...).
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        A :class:`~gradsync.handles.GroupHandle`; :func:`synchronize` returns the list of gathered
+        tensors, in the order of ``tensors``, each of shape ``(sum of every rank's shape[0],) +
+        shape[1:]`` of that member.
+
+    Raises:
+        TypeError: ``tensors`` is not a list or tuple; members of different dtypes or kinds of
+            memory; any member's TypeError of :func:`allgather_async` (naming its position).
+        ValueError: an empty group; a 0-d member; a member name still in flight.
+        CollectiveError (from synchronize): the whole group failed.
+    """
+    return _grouped(tensors, name, Kind.ALLGATHER, process_set,
+                    lambda tensor, where: _gathered(tensor, None, process_set, where))
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Blocking :func:`grouped_allgather_async`: returns the list of gathered tensors."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
 def barrier(name: str | None = None, process_set: ProcessSet = global_process_set) -> None:

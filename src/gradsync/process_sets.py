@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from . import runtime
+
 
 class ProcessSet:
     """Some world ranks, a unit on which collectives run.
@@ -56,8 +58,6 @@ class ProcessSet:
         Raises:
             NotInitializedError: before ``init()``.
         """
-        from . import runtime
-
         return runtime.get().rank in self.ranks
 
     def rank(self) -> int:
@@ -66,8 +66,6 @@ class ProcessSet:
         Raises:
             ValueError: this process is not a member. NotInitializedError: before ``init()``.
         """
-        from . import runtime
-
         world_rank = runtime.get().rank
         if world_rank not in self.ranks:
             raise ValueError(f"gradsync: rank {world_rank} is not in {self}")
@@ -92,8 +90,6 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> list[int]:  # type: ignore[override]
-        from . import runtime
-
         return list(range(runtime.get().size))
 
     def __repr__(self) -> str:
@@ -123,8 +119,6 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
             lists each rank's value).
         NotInitializedError: before ``init()``.
     """
-    from . import runtime
-
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     return runtime.get().add_process_set(process_set)
@@ -140,6 +134,4 @@ def remove_process_set(process_set: ProcessSet) -> None:
     Raises:
         ValueError: the global set, or a set that is not registered. NotInitializedError: before ``init()``.
     """
-    from . import runtime
-
     runtime.get().remove_process_set(process_set)

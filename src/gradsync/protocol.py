@@ -74,14 +74,24 @@ class Request(NamedTuple):
     group_size: int = 0
     device: str = "cpu"
 
+    def signature(self) -> tuple:
+        """Every field but ``rank``: what the ranks' requests for one name must share (the
+        response cache's hit test, the common case of the agreement check)."""
+        return self[:2] + self[3:]  # the one place that knows ``rank`` is the third field
+
+    def fusion_key(self) -> tuple:
+        """What allreduces fused into one buffer must share: dtype, op, scale factors, device."""
+        return (self.dtype, self.op, self.prescale, self.postscale, self.device)
+
 
 class Response(NamedTuple):
     """What every rank does next, in the same order on every rank.
 
     ``names`` holds one tensor, or several fused into one buffer (allreduce, and the members of a
     group). ``error`` set means the collective fails on every rank with that message (a rank skips
-    names it did not submit). ``first_dims`` is, for allgather, the first dimension each rank
-    contributes (index = rank); for join, the rank that joined last. ``split_matrix`` (alltoall):
+    names it did not submit). ``first_dims`` is, for allgather, one tuple per name: the first
+    dimension each rank contributes (index = rank). ``last_joined`` (join): the rank that joined
+    last. ``split_matrix`` (alltoall):
     row s holds the rows rank s sends to each rank, so column r is what rank r receives.
     While some ranks have joined (:func:`gradsync.join`), ``requests`` carries the request behind
     each name, from which a joined rank builds its stand-in contribution, and ``contributors``
@@ -91,10 +101,11 @@ class Response(NamedTuple):
     kind: Kind
     names: tuple[str, ...]
     error: str | None = None
-    first_dims: tuple[int, ...] = ()
+    first_dims: tuple[tuple[int, ...], ...] = ()
     requests: tuple[Request, ...] = ()
     contributors: int = 0
     split_matrix: tuple[tuple[int, ...], ...] = ()
+    last_joined: int = -1
 
 
 class RankMessage(NamedTuple):

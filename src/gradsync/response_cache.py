@@ -31,7 +31,7 @@ class Lookup(enum.Enum):
 
 def signature(request: Request) -> tuple:
     """Every field of the request but the rank: what must be equal for a cache hit."""
-    return request[:2] + request[3:]
+    return request.signature()
 
 
 class ResponseCache:
@@ -54,7 +54,7 @@ class ResponseCache:
         slot = self._slots.get(request.name)
         if slot is None or request.kind not in CACHEABLE:
             return Lookup.MISS, -1
-        return (Lookup.HIT if slot[1] == request[:2] + request[3:] else Lookup.INVALID), slot[0]
+        return (Lookup.HIT if slot[1] == request.signature() else Lookup.INVALID), slot[0]
 
     def put(self, request: Request) -> int | None:
         """Record that ``request`` completed; returns the bit evicted to make room, if any."""

@@ -14,13 +14,14 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .backends.mpi import MpiBackend
 from .config import Config
-from .coordinator import Coordinator
 from .errors import GradsyncError, NotInitializedError
-from .process_sets import ProcessSet, global_process_set
+
+if TYPE_CHECKING:  # imported by init() only: they import mpi4py.MPI, which initialises MPI
+    from .backends.mpi import MpiBackend
+    from .coordinator import Coordinator
 
 log = logging.getLogger("gradsync")
 
@@ -108,11 +109,25 @@ def _warn_if_batch_script_without_srun(launcher: Launcher, world_size: int) -> N
                     "MPI) or `srun --mpi=pmi2` (MPICH) in the job script", tasks)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessSetState:
+    """One registered process set on this rank: the :class:`~gradsync.ProcessSet` object (None for
+    the global set, which is every rank), its coordinator (None where this rank is not a member)
+    and its communicator (None likewise)."""
+
+    process_set: Any
+    coordinator: Coordinator | None
+    comm: Any
+
+
 class Runtime:
     """Everything ``init()`` sets up for this process; see :func:`init`."""
 
     def __init__(self, config: Config, world) -> None:
         from mpi4py import MPI
+
+        from .coordinator import Coordinator
+        from .executors.device import GpuClaims
 
         self.config = config
         self.pid = os.getpid()
@@ -131,10 +146,11 @@ class Runtime:
         self.control = world.Dup()
         self.backend = self._data_backend(local, cross)
         self._unnamed: dict[tuple[int, str], int] = {}
-        self.coordinator = Coordinator(self.comm, config, backend=self.backend)
-        # id -> (set, its coordinator on this rank or None when not a member, its communicator)
-        self.process_sets: dict[int, tuple[ProcessSet, Coordinator | None, Any]] = {
-            0: (global_process_set, self.coordinator, self.comm)}
+        self.gpu_claims = GpuClaims()  # which process set drives NCCL on each GPU
+        self.coordinator = Coordinator(self.comm, config, backend=self.backend,
+                                       gpu_claims=self.gpu_claims)
+        self.process_sets: dict[int, ProcessSetState] = {
+            0: ProcessSetState(None, self.coordinator, self.comm)}
         self._next_set_id = 1
         self.coordinator.neighbours = self._coordinators
         log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
@@ -144,6 +160,8 @@ class Runtime:
     def _data_backend(self, local, cross) -> MpiBackend:
         """The coordinator's data mover. A hierarchical allreduce keeps ``local`` and, on local rank
         0, ``cross``: from here on only the coordinator thread uses them, and shutdown frees them."""
+        from .backends.mpi import MpiBackend
+
         if not self.config.hierarchical_allreduce:
             local.Free()
             cross.Free()
@@ -154,7 +172,8 @@ class Runtime:
         return MpiBackend(self.comm, local=local, cross=cross)
 
     def _coordinators(self) -> list[Coordinator]:
-        return [state[1] for state in list(self.process_sets.values()) if state[1] is not None]
+        return [state.coordinator for state in list(self.process_sets.values())
+                if state.coordinator is not None]
 
     def auto_name(self, kind: str, process_set_id: int = 0) -> str:
         """A name for an unnamed collective: the kind and how many unnamed ones of it came before
@@ -164,39 +183,49 @@ class Runtime:
         self._unnamed[key] = count + 1
         return f"{kind}.noname.{count}"
 
-    def coordinator_for(self, process_set: ProcessSet, where: str) -> Coordinator:
+    def _state(self, process_set: Any) -> ProcessSetState | None:
+        """The registration of ``process_set`` (a :class:`~gradsync.ProcessSet`), or None."""
+        ident = process_set.process_set_id
+        state = self.process_sets.get(ident) if ident is not None else None
+        if state is None or (ident != 0 and state.process_set is not process_set):
+            return None
+        return state
+
+    def coordinator_for(self, process_set: Any, where: str) -> Coordinator:
         """The coordinator that runs collectives on ``process_set`` on this rank.
 
         Raises:
             ValueError: the set is not registered, or this rank is not a member (``where`` starts
                 the message, naming the op and tensor).
         """
-        ident = process_set.process_set_id
-        state = self.process_sets.get(ident) if ident is not None else None
-        if state is None or state[0] is not process_set:
+        state = self._state(process_set)
+        if state is None:
             raise ValueError(f"{where}: {process_set} is not registered: call "
                              "gradsync.add_process_set() on every rank first")
-        if state[1] is None:
+        if state.coordinator is None:
             raise ValueError(f"{where}: rank {self.rank} is not a member of {process_set}; only its "
                              "members may run collectives on it (guard the call with "
                              "`if process_set.included():`)")
-        return state[1]
+        return state.coordinator
 
     def replace_timelines(self, path: str, mark_cycles: bool = True) -> None:
         """Write the timeline of every process set this rank belongs to to ``path`` from now on, as
         ``GRADSYNC_TIMELINE=path`` would have at init (rank 0 alone unless ``{rank}`` is in it;
         ``.set<id>`` appended for other sets); ``path=""`` stops writing. Closes the files written
         so far. ``mark_cycles=False`` leaves out the CYCLE markers."""
-        from .timeline import open_timeline
+        from .timeline import open_for
 
-        for ident, (_, coordinator, _) in list(self.process_sets.items()):
-            if coordinator is not None:
-                coordinator.replace_timeline(open_timeline(path, coordinator.world_rank, ident,
-                                                           mark_cycles))
+        for ident, state in list(self.process_sets.items()):
+            if state.coordinator is not None:
+                state.coordinator.replace_timeline(
+                    open_for(path, ident, state.coordinator.world_rank, mark_cycles))
 
-    def add_process_set(self, process_set: ProcessSet) -> ProcessSet:
-        """See :func:`gradsync.add_process_set`."""
+    def add_process_set(self, process_set: Any) -> Any:
+        """See :func:`gradsync.add_process_set` (``process_set``: a :class:`~gradsync.ProcessSet`)."""
         from mpi4py import MPI
+
+        from .backends.mpi import MpiBackend
+        from .coordinator import Coordinator
 
         where = f"gradsync: rank {self.rank}: add_process_set"
         if process_set.process_set_id is not None:
@@ -209,7 +238,8 @@ class Runtime:
         if outside:
             raise ValueError(f"{where}: ranks {outside} of {process_set.ranks} are not ranks of this "
                              f"job (0 .. {self.size - 1})")
-        for other, _, _ in self.process_sets.values():
+        for state in list(self.process_sets.values())[1:]:
+            other = state.process_set
             if other.ranks == process_set.ranks:
                 raise ValueError(f"{where}: {other} already has the ranks {process_set.ranks}")
         member = self.rank in process_set.ranks
@@ -219,20 +249,21 @@ class Runtime:
         coordinator = None
         if member:
             coordinator = Coordinator(comm, self.config, backend=MpiBackend(comm),
-                                      world_ranks=list(process_set.ranks), process_set_id=ident)
+                                      world_ranks=list(process_set.ranks), process_set_id=ident,
+                                      gpu_claims=self.gpu_claims)
             coordinator.neighbours = self._coordinators
         process_set.process_set_id = ident
-        self.process_sets[ident] = (process_set, coordinator, comm)
+        self.process_sets[ident] = ProcessSetState(process_set, coordinator, comm)
         return process_set
 
-    def remove_process_set(self, process_set: ProcessSet) -> None:
+    def remove_process_set(self, process_set: Any) -> None:
         """See :func:`gradsync.remove_process_set`."""
         where = f"gradsync: rank {self.rank}: remove_process_set"
         ident = process_set.process_set_id
         if ident == 0:
             raise ValueError(f"{where}: the global process set cannot be removed")
-        state = self.process_sets.get(ident) if ident is not None else None
-        if state is None or state[0] is not process_set:
+        state = self._state(process_set)
+        if state is None:
             raise ValueError(f"{where}: {process_set} is not registered")
         everyone = self.control.allgather(ident)
         if any(other != ident for other in everyone):
@@ -240,13 +271,13 @@ class Runtime:
             raise ValueError(f"{where}: ranks removed different process sets (ids): {listed}")
         del self.process_sets[ident]
         process_set.process_set_id = None
-        _stop_coordinator(self, state[1], state[2], None)
+        _stop_coordinator(self, state.coordinator, state.comm, None)
 
 
 _runtime: Runtime | None = None
 
 
-def init(comm: Any = None, process_sets: list[ProcessSet] | None = None, **settings: Any) -> None:
+def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: Any) -> None:
     """Initialise gradsync: start MPI (if needed) and the background coordinator thread.
 
     Call once per process, before any other gradsync function; a second call is a no-op. Works
@@ -335,13 +366,14 @@ def shutdown() -> None:
     runtime, _runtime = _runtime, None
     if runtime is None or runtime.pid != os.getpid():
         return
-    failures = [state[1].failure for state in runtime.process_sets.values()
-                if state[1] is not None and state[1].failure is not None]
+    failures = [state.coordinator.failure for state in runtime.process_sets.values()
+                if state.coordinator is not None and state.coordinator.failure is not None]
     if failures:
         _abort(runtime, failures[0])
-    for ident, (process_set, coordinator, comm) in sorted(runtime.process_sets.items(), reverse=True):
-        process_set.process_set_id = None if ident else 0
-        _stop_coordinator(runtime, coordinator, comm, runtime.backend if ident == 0 else None)
+    for ident, state in sorted(runtime.process_sets.items(), reverse=True):
+        if ident:
+            state.process_set.process_set_id = None
+        _stop_coordinator(runtime, state.coordinator, state.comm, runtime.backend if ident == 0 else None)
     runtime.process_sets.clear()
     runtime.control.Free()
 
@@ -410,20 +442,24 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """Rank among the processes on this host (shared-memory node): use it to pick the GPU."""
+    """Rank among the processes on this host (shared-memory node), 0 .. local_size()-1: use it to
+    pick the GPU (``torch.cuda.set_device(gradsync.local_rank())``). Raises NotInitializedError
+    before init()."""
     return get().local_rank
 
 
 def local_size() -> int:
-    """Number of processes on this host."""
+    """Number of processes on this host. Raises NotInitializedError before init()."""
     return get().local_size
 
 
 def cross_rank() -> int:
-    """Rank of this host among the hosts (the rank among processes of the same local_rank)."""
+    """Rank of this host among the hosts: the rank among the processes of the same local_rank(),
+    0 .. cross_size()-1. Raises NotInitializedError before init()."""
     return get().cross_rank
 
 
 def cross_size() -> int:
-    """Number of hosts (processes with the same local_rank across the job)."""
+    """Number of hosts (processes with the same local_rank across the job). Raises
+    NotInitializedError before init()."""
     return get().cross_size

@@ -15,6 +15,11 @@ heartbeat; with both off, an idle coordinator sleeps until it gets work.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from .protocol import Kind
 
 log = logging.getLogger("gradsync")
 
@@ -34,6 +39,23 @@ def heartbeat_interval(*deadlines: float) -> float | None:
     return min(max(min(active) / 4, 0.05), MAX_HEARTBEAT)
 
 
+def waited_on(entries: Iterable[Any]) -> list[tuple[str, int]]:
+    """(name, submission time in perf_counter ns) of the pending ``entries`` (gradsync.queue.Entry)
+    that a stall report is about; join() waits for the other ranks by design, so it is not one."""
+    return [(e.request.name, e.submitted_ns) for e in entries if e.request.kind != Kind.JOIN]
+
+
+def pending_ages(entries: Iterable[Any], others: list[tuple[int, Any]]
+                 ) -> tuple[tuple[str, float, int | None], ...]:
+    """For a stall report: (name, seconds waited, None) of the pending ``entries`` of this set, and
+    (name, 0.0, set id) of what is in flight in the queues of this rank's other sets (``others``:
+    (set id, TensorQueue) pairs), so that a name submitted to different sets by different ranks is
+    reported as such."""
+    now = time.perf_counter_ns()
+    own = tuple((name, (now - ns) / 1e9, None) for name, ns in waited_on(entries))
+    return own + tuple((name, 0.0, ident) for ident, queue in others for name in queue.pending_names())
+
+
 class StallClock:
     """When this rank should ask for a stall report: once its oldest pending collective has waited
     ``check_time``, then every ``check_time``, and at ``shutdown_time`` (if set)."""
@@ -42,6 +64,13 @@ class StallClock:
         self.check_time = check_time
         self.shutdown_time = shutdown_time
         self._last_asked: float | None = None
+
+    def due_for(self, entries: Iterable[Any], now_ns: int) -> bool:
+        """:meth:`due` for the oldest of the pending ``entries`` that a report is about."""
+        if self.check_time <= 0:
+            return False
+        oldest = min((ns for _, ns in waited_on(entries)), default=None)
+        return self.due(None if oldest is None else oldest / 1e9, now_ns / 1e9)
 
     def due(self, oldest_submitted: float | None, now: float) -> bool:
         """Whether to raise the stall flag now (``oldest_submitted``: None when nothing is pending)."""

@@ -101,19 +101,36 @@ class Timeline:
             self._buffer.clear()
 
 
-def open_timeline(path: str, rank: int, process_set_id: int = 0,
-                  mark_cycles: bool = True) -> Timeline | None:
-    """The timeline this rank writes for ``GRADSYNC_TIMELINE=path``, or None (see module docstring).
-
-    A process set other than the global one has a coordinator of its own, so it writes a file of
-    its own: ``path`` with ``.set<id>`` appended."""
+def open_timeline(path: str, rank: int, mark_cycles: bool = True) -> Timeline | None:
+    """The timeline this rank writes for ``GRADSYNC_TIMELINE=path``, or None (see module docstring)."""
     if not path:
         return None
-    if process_set_id:
-        path = f"{path}.set{process_set_id}"
     if "{rank}" in path:
         return Timeline(path.format(rank=rank), rank, mark_cycles)
     return Timeline(path, rank, mark_cycles) if rank == 0 else None
+
+
+def open_for(path: str, process_set_id: int, rank: int, mark_cycles: bool = True) -> Timeline | None:
+    """The timeline of one process set's coordinator: ``path`` for the global set, one file per
+    other set (``path.setN``: each set has its own coordinator), or None without a path."""
+    if path and process_set_id:
+        path = f"{path}.set{process_set_id}"
+    return open_timeline(path, rank, mark_cycles)
+
+
+def record_collective(timeline: Timeline, entries: list, replied_ns: int, started_ns: int,
+                      phases: tuple[tuple[str, int], ...]) -> None:
+    """The spans of one executed response (or batch) for each of its ``entries`` (objects with a
+    ``request.name`` and ``submitted_ns``): NEGOTIATE until the reply, WAIT_FOR_DATA until its
+    execution started, then ``phases``, (name, end time) each starting where the previous ended."""
+    for entry in entries:
+        name = entry.request.name
+        timeline.span(name, "NEGOTIATE", entry.submitted_ns, replied_ns)
+        timeline.span(name, "WAIT_FOR_DATA", replied_ns, started_ns)
+        begin = started_ns
+        for phase, end in phases:
+            timeline.span(name, phase, begin, end, {"tensors": len(entries)})
+            begin = end
 
 
 # ---- analysis --------------------------------------------------------------------------------------

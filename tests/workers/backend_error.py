@@ -13,7 +13,7 @@ def failing_allreduce(buffer, op, logical=False):
     raise RuntimeError("backend exploded")
 
 
-coordinator._backend.allreduce = failing_allreduce
+coordinator.host.backend.allreduce = failing_allreduce
 try:
     gradsync.allreduce(np.ones(4), name="doomed")
 except gradsync.CollectiveError as exc:

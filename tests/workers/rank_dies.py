@@ -3,7 +3,8 @@
     rank_dies.py MODE VICTIM WHEN
 
 MODE: ``exit`` (os._exit(3)), ``exit0`` (os._exit(0)), ``kill`` (SIGKILL to itself), or ``coordinator``
-(nobody dies: the test sets GRADSYNC_TEST_FAULT so that rank VICTIM's coordinator thread raises).
+(nobody dies: before init() this worker patches the coordinator's cycle so that rank VICTIM's
+coordinator thread raises at its FAULT_CYCLE-th cycle; the library itself has no fault hook).
 WHEN: ``pending`` (the others wait on an allreduce the victim never submits), ``training``
 (DistributedOptimizer steps; the victim dies before its 4th backward), ``data`` (the victim dies
 inside a 128 MiB allreduce that the others are inside too), ``steps`` (small allreduces in a loop),
@@ -28,6 +29,27 @@ import gradsync
 
 MODE, VICTIM, WHEN = sys.argv[1], int(sys.argv[2]), sys.argv[3]  # argv[4]: the test's token
 LINGER = 1.5
+FAULT_CYCLE = 5
+
+
+def inject_coordinator_fault() -> None:
+    """Make the global set's coordinator of world rank VICTIM raise at its FAULT_CYCLE-th cycle."""
+    from gradsync.coordinator import Coordinator
+
+    cycle, count = Coordinator.cycle, [0]
+
+    def faulty_cycle(self):
+        if self.world_rank == VICTIM and self.process_set_id == 0:
+            count[0] += 1
+            if count[0] == FAULT_CYCLE:
+                raise RuntimeError(f"fault injected at cycle {FAULT_CYCLE}")
+        return cycle(self)
+
+    Coordinator.cycle = faulty_cycle
+
+
+if MODE == "coordinator":
+    inject_coordinator_fault()
 if WHEN == "training":
     # Imported before init(): a multi-second import holding the GIL after init() would delay this
     # rank's liveness messages against the short failure timeout of these tests.

@@ -7,6 +7,13 @@ Allreduce is flat (one ``MPI_Allreduce`` over all ranks) or, given the host topo
 reduce onto local rank 0 over shared memory, allreduce among the hosts' local rank 0 processes over
 the network, broadcast back within each host. Both give the same result; the hierarchical one sends
 one buffer per host across the network instead of one per rank.
+
+Large counts: an MPI call takes at most ``2**31 - 1`` elements (a C int count) and int
+displacements. Open MPI 5 refuses more with ``MPI_ERR_ARG`` even where mpi4py could pass a large
+count (MPICH takes them), so every call is split where a count or a displacement would exceed
+:attr:`MpiBackend.max_count`: allreduce and broadcast in chunks, allgather as one chunked broadcast
+per rank, reducescatter as one chunked reduce per rank, alltoall as chunked point-to-point messages.
+Every rank splits alike: the decision depends only on the negotiated counts.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..fusion import Traits
 from ..protocol import ReduceOp
 
 _MPI_OPS = {
@@ -44,6 +52,11 @@ class MpiBackend:
     The backend owns ``local`` and ``cross`` (``close()`` frees them); ``comm`` stays the caller's.
     """
 
+    #: What MPI reduces natively (everything but the 16-bit floats; Average is a Sum, divided after).
+    traits = Traits()
+    #: The most elements (of the call's datatype) one MPI call moves, and the largest displacement.
+    max_count = 2**31 - 1
+
     def __init__(self, comm: MPI.Comm, local: MPI.Comm | None = None,
                  cross: MPI.Comm | None = None) -> None:
         self.comm = comm
@@ -68,12 +81,21 @@ class MpiBackend:
                 "among the hosts' local rank 0 processes; broadcast within the host)")
 
     def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False) -> None:
-        """In-place allreduce of the contiguous ``buffer``; ``logical`` for 0/1 bool data."""
+        """In-place allreduce of the contiguous 1-d ``buffer`` (same semantics as MPI_Allreduce
+        with MPI_IN_PLACE); ``logical`` for 0/1 bool data. Split into chunks of at most
+        :attr:`max_count` elements."""
         mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
-        if self.local is None:
-            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
-        else:
-            self._hierarchical_allreduce(buffer, mpi_op)
+        for chunk in self._chunks(buffer):
+            if self.local is None:
+                self.comm.Allreduce(MPI.IN_PLACE, chunk, op=mpi_op)
+            else:
+                self._hierarchical_allreduce(chunk, mpi_op)
+
+    def _chunks(self, buffer: np.ndarray) -> list[np.ndarray]:
+        """``buffer`` (1-d) as consecutive views of at most :attr:`max_count` elements (one, empty,
+        for an empty buffer)."""
+        size = buffer.shape[0]
+        return [buffer[i:i + self.max_count] for i in range(0, max(size, 1), self.max_count)]
 
     def _hierarchical_allreduce(self, buffer: np.ndarray, mpi_op: MPI.Op) -> None:
         if self._local_size > 1:
@@ -84,34 +106,63 @@ class MpiBackend:
         if self._local_root and self._cross_size > 1:
             self.cross.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
         if self._local_size > 1:
-            self.local.Bcast(buffer.reshape(-1).view(np.uint8), root=0)
+            self.local.Bcast(buffer, root=0)
 
     def broadcast(self, buffer: np.ndarray, root: int) -> None:
-        """In-place MPI_Bcast of the contiguous ``buffer``'s bytes from ``root``."""
-        self.comm.Bcast(buffer.reshape(-1).view(np.uint8), root=root)
+        """In-place MPI_Bcast of the contiguous ``buffer``'s bytes from ``root`` (chunked)."""
+        for chunk in self._chunks(_bytes(buffer)):
+            self.comm.Bcast(chunk, root=root)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
-        """MPI_Allgatherv of bytes: rank r contributes ``counts[r]`` bytes; ``recv`` holds them all."""
-        self.comm.Allgatherv(send.reshape(-1).view(np.uint8),
-                             [recv.reshape(-1).view(np.uint8), (counts, _displacements(counts)),
-                              MPI.BYTE])
+        """MPI_Allgatherv of bytes: rank r contributes ``counts[r]`` bytes; ``recv`` holds them all,
+        in rank order. Past :attr:`max_count` bytes in all: one (chunked) broadcast per rank."""
+        send, recv = _bytes(send), _bytes(recv)
+        starts = _displacements(counts)
+        if sum(counts) <= self.max_count:
+            self.comm.Allgatherv(send, [recv, (counts, starts), MPI.BYTE])
+            return
+        rank = self.comm.Get_rank()
+        recv[starts[rank]:starts[rank] + counts[rank]] = send
+        for root, (start, count) in enumerate(zip(starts, counts)):
+            self.broadcast(recv[start:start + count], root)
 
     def reducescatter(self, send: np.ndarray, receive: np.ndarray, counts: list[int], op: ReduceOp,
                       logical: bool = False) -> None:
         """MPI_Reduce_scatter of the contiguous ``send`` buffer: rank r receives the reduction of
         elements ``sum(counts[:r])`` .. ``sum(counts[:r+1])`` into ``receive`` (``counts[r]``
-        elements); ``logical`` for 0/1 bool data. Always over all ranks (never hierarchical)."""
+        elements); ``logical`` for 0/1 bool data. Always over all ranks (never hierarchical).
+        Past :attr:`max_count` elements in all: one (chunked) MPI_Reduce onto each rank."""
         mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
-        self.comm.Reduce_scatter(send, receive, counts, op=mpi_op)
+        if sum(counts) <= self.max_count:
+            self.comm.Reduce_scatter(send, receive, counts, op=mpi_op)
+            return
+        rank = self.comm.Get_rank()
+        for root, (start, count) in enumerate(zip(_displacements(counts), counts)):
+            for offset in range(0, count, self.max_count):
+                part = slice(start + offset, start + min(offset + self.max_count, count))
+                into = receive[offset:offset + part.stop - part.start] if root == rank else None
+                self.comm.Reduce(send[part], into, op=mpi_op, root=root)
 
     def alltoall(self, send: np.ndarray, receive: np.ndarray, send_counts: list[int],
                  receive_counts: list[int]) -> None:
         """MPI_Alltoallv of bytes: ``send_counts[r]`` bytes of ``send`` go to rank r, in rank order;
-        ``receive`` gets ``receive_counts[r]`` bytes from each rank r, in rank order."""
-        self.comm.Alltoallv([send.reshape(-1).view(np.uint8), (send_counts, _displacements(send_counts)),
-                             MPI.BYTE],
-                            [receive.reshape(-1).view(np.uint8),
-                             (receive_counts, _displacements(receive_counts)), MPI.BYTE])
+        ``receive`` gets ``receive_counts[r]`` bytes from each rank r, in rank order. Past
+        :attr:`max_count` bytes in all: point-to-point messages of at most that many bytes."""
+        send, receive = _bytes(send), _bytes(receive)
+        if max(sum(send_counts), sum(receive_counts)) <= self.max_count:
+            self.comm.Alltoallv([send, (send_counts, _displacements(send_counts)), MPI.BYTE],
+                                [receive, (receive_counts, _displacements(receive_counts)), MPI.BYTE])
+            return
+        size = self.comm.Get_size()
+        sent, got = _displacements(send_counts), _displacements(receive_counts)
+        requests = []  # one message per chunk: both sides count the chunks of a message alike
+        for peer in range(size):
+            part = receive[got[peer]:got[peer] + receive_counts[peer]]
+            requests += [self.comm.Irecv(c, source=peer, tag=i) for i, c in enumerate(self._chunks(part))]
+        for peer in range(size):
+            part = send[sent[peer]:sent[peer] + send_counts[peer]]
+            requests += [self.comm.Isend(c, dest=peer, tag=i) for i, c in enumerate(self._chunks(part))]
+        MPI.Request.Waitall(requests)
 
     def close(self) -> None:
         """Free the topology communicators this backend owns (after the coordinator stopped)."""
@@ -119,6 +170,11 @@ class MpiBackend:
             if comm is not None:
                 comm.Free()
         self.local = self.cross = None
+
+
+def _bytes(buffer: np.ndarray) -> np.ndarray:
+    """The contiguous ``buffer``'s memory as 1-d bytes."""
+    return buffer.reshape(-1).view(np.uint8)
 
 
 def _displacements(counts: list[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""CuPy arrays: their :class:`gradsync.arrays.ArrayAdapter` and :class:`gradsync.device.DeviceRuntime`.
+"""CuPy arrays: their :class:`gradsync.tensors.ArrayAdapter` and :class:`gradsync.device.DeviceRuntime`.
 
 Imported when gradsync first sees a ``cupy.ndarray``; ``import gradsync`` never imports CuPy.
 Streams and events are ``cupy.cuda.Stream`` and ``cupy.cuda.Event``; host copies use
@@ -16,7 +16,7 @@ import cupyx
 import numpy as np
 
 from .. import dtypes
-from ..arrays import TensorInfo
+from ..tensors import TensorInfo, register
 
 
 class CupyAdapter:
@@ -31,6 +31,13 @@ class CupyAdapter:
     def empty(self, like: cupy.ndarray, shape: tuple[int, ...]) -> cupy.ndarray:
         with like.device:
             return cupy.empty(shape, dtype=like.dtype)
+
+    def from_host(self, like: cupy.ndarray, array: np.ndarray) -> np.ndarray:
+        return array  # CuPy has no host arrays: small host results (alltoall's splits) stay numpy
+
+    def cast(self, x: cupy.ndarray, dtype: str) -> cupy.ndarray:
+        with x.device:
+            return x.astype(dtypes.NUMPY_DTYPES[dtype])
 
     def device_runtime(self, x: cupy.ndarray) -> CupyDevice:
         return DEVICE
@@ -63,8 +70,12 @@ class CupyDevice:
         with cupy.cuda.Device(device), stream:
             yield
 
-    def event(self, timing: bool = False) -> cupy.cuda.Event:
-        return cupy.cuda.Event(disable_timing=not timing)
+    def bind(self, device: int) -> None:
+        cupy.cuda.Device(device).use()
+
+    def event(self, device: int, timing: bool = False) -> cupy.cuda.Event:
+        with cupy.cuda.Device(device):  # a CuPy event belongs to the device current at creation
+            return cupy.cuda.Event(disable_timing=not timing)
 
     def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
         event.record(stream)
@@ -98,24 +109,21 @@ class CupyDevice:
     def flat(self, array: cupy.ndarray) -> cupy.ndarray:
         return array.reshape(-1)
 
-    def pack(self, source: cupy.ndarray, target: cupy.ndarray, prescale: float) -> None:
-        target = target.reshape(source.shape)
-        if prescale == 1.0:
+    def copy(self, source: cupy.ndarray, target: cupy.ndarray, scale: float) -> None:
+        if source.shape != target.shape:  # a 1-d buffer slice is viewed in the array's shape
+            if target.ndim == 1:
+                target = target.reshape(source.shape)
+            else:
+                source = source.reshape(target.shape)
+        if scale == 1.0:
             cupy.copyto(target, source, casting="unsafe")
-        else:
-            cupy.multiply(source.astype(target.dtype, copy=False), prescale, out=target)
+        elif source.dtype.itemsize <= target.dtype.itemsize:  # in the target's (wider) precision
+            cupy.multiply(source.astype(target.dtype, copy=False), scale, out=target)
+        else:  # in the source's precision, rounded once into the target
+            cupy.copyto(target, source * scale, casting="unsafe")
 
-    def unpack(self, source: cupy.ndarray, target: cupy.ndarray, scale: float, floor_divisor: int) -> None:
-        source = source.reshape(target.shape)
-        if floor_divisor != 1:
-            source = cupy.floor_divide(source, floor_divisor)
-        if scale != 1.0 and source.dtype == target.dtype:
-            cupy.multiply(source, scale, out=target)
-            return
-        if scale != 1.0:
-            source = source * scale
-        if source.data.ptr != target.data.ptr or source.dtype != target.dtype:
-            cupy.copyto(target, source, casting="unsafe")
+    def floor_divide(self, array: cupy.ndarray, divisor: int) -> None:
+        cupy.floor_divide(array, divisor, out=array)
 
     def pinned(self, dtype: np.dtype, count: int) -> np.ndarray:
         return cupyx.empty_pinned(count, dtype=dtype)
@@ -136,3 +144,4 @@ class CupyDevice:
 
 ADAPTER = CupyAdapter()
 DEVICE = CupyDevice()
+register("cupy", ADAPTER)

@@ -1,4 +1,4 @@
-"""The :class:`gradsync.arrays.ArrayAdapter` for torch tensors (imported on first use)."""
+"""The :class:`gradsync.tensors.ArrayAdapter` for torch tensors (imported, and registered, on first use)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from .. import dtypes
-from ..arrays import TensorInfo
+from ..tensors import TensorInfo, register
 
 _NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -38,6 +38,9 @@ class TorchAdapter:
     def from_host(self, like: torch.Tensor, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
+    def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(getattr(torch, dtype))
+
     def device_runtime(self, x: torch.Tensor):
         """gradsync.torch.device's runtime for CUDA tensors, None for CPU ones."""
         if x.device.type != "cuda":
@@ -48,3 +51,4 @@ class TorchAdapter:
 
 
 TORCH = TorchAdapter()
+register("torch", TORCH)

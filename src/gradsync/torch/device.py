@@ -41,7 +41,13 @@ class TorchDevice:
         return torch.cuda.current_stream(device)
 
     def new_stream(self, device: int) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device)
+        # torch.cuda.Stream() hands out streams from a small per-priority pool, round-robin, shared
+        # with user code; the high-priority pool is rarely drawn from there, and communication
+        # kernels should be scheduled first anyway.
+        return torch.cuda.Stream(device, priority=-1)
+
+    def bind(self, device: int) -> None:
+        torch.cuda.set_device(device)
 
     def stream_pointer(self, stream: torch.cuda.Stream) -> int:
         return stream.cuda_stream
@@ -51,8 +57,8 @@ class TorchDevice:
         with torch.cuda.device(device), torch.cuda.stream(stream):  # NCCL takes the current device
             yield
 
-    def event(self, timing: bool = False) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=timing)
+    def event(self, device: int, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)  # created on the device it is first recorded on
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -86,24 +92,21 @@ class TorchDevice:
     def flat(self, array: torch.Tensor) -> torch.Tensor:
         return array.view(-1)
 
-    def pack(self, source: torch.Tensor, target: torch.Tensor, prescale: float) -> None:
-        target = target.view(source.shape)
-        if prescale == 1.0:
+    def copy(self, source: torch.Tensor, target: torch.Tensor, scale: float) -> None:
+        if source.shape != target.shape:  # a 1-d buffer slice is viewed in the tensor's shape
+            if target.dim() == 1:
+                target = target.view(source.shape)
+            else:
+                source = source.view(target.shape)
+        if scale == 1.0:
             target.copy_(source)
-        else:  # in the buffer's precision: a float16 gradient is scaled in a float32 buffer
-            torch.mul(source.to(target.dtype), prescale, out=target)
+        elif source.element_size() <= target.element_size():  # in the target's (wider) precision
+            torch.mul(source.to(target.dtype), scale, out=target)
+        else:  # in the source's precision, rounded once into the target
+            target.copy_(torch.mul(source, scale))
 
-    def unpack(self, source: torch.Tensor, target: torch.Tensor, scale: float, floor_divisor: int) -> None:
-        source = source.view(target.shape)
-        if floor_divisor != 1:
-            source = torch.div(source, floor_divisor, rounding_mode="floor")
-        if scale != 1.0 and source.dtype == target.dtype:
-            torch.mul(source, scale, out=target)  # the scale folded into the copy (or in place)
-            return
-        if scale != 1.0:
-            source = torch.mul(source, scale)
-        if source.data_ptr() != target.data_ptr() or source.dtype != target.dtype:
-            target.copy_(source)
+    def floor_divide(self, array: torch.Tensor, divisor: int) -> None:
+        array.div_(divisor, rounding_mode="floor")
 
     def pinned(self, dtype: np.dtype, count: int) -> np.ndarray:
         tensor = torch.empty(count, dtype=torch_dtype(dtype), pin_memory=True)

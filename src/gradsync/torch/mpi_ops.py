@@ -365,23 +365,11 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
-    """Start an allgather of every tensor of ``tensors`` (``horovod.torch.grouped_allgather_async``);
-    :func:`synchronize` returns the list of gathered tensors. Members are named ``name.0``, ...
-
-    Raises:
-        TypeError: ``tensors`` is not a list or tuple; ValueError: it is empty. Others as
-            :func:`allgather_async`.
-    """
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"gradsync: rank {rank()}: grouped_allgather: tensors must be a list or tuple")
-    if not tensors:
-        raise ValueError(f"gradsync: rank {rank()}: grouped_allgather: the group is empty")
-    from .. import runtime
-
-    group = str(name) if name is not None else runtime.get().auto_name(
-        "grouped_allgather", process_set.process_set_id or 0)
-    return GroupHandle(group, [ops.allgather_async(t, f"{group}.{i}", process_set)
-                               for i, t in enumerate(tensors)])
+    """Start an allgather of every tensor of ``tensors`` as one group
+    (``horovod.torch.grouped_allgather_async``; :func:`gradsync.grouped_allgather_async`: one dtype,
+    negotiated and moved together, all-or-nothing on error). :func:`synchronize` returns the list
+    of gathered tensors; members are named ``name.0``, ..."""
+    return ops.grouped_allgather_async(tensors, name, process_set)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):

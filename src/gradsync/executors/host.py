@@ -1,0 +1,115 @@
+"""The host executor: plans of host (numpy) memory, run with blocking MPI collectives.
+
+Only the thread running the coordinator's cycle calls it (it owns the backend's communicators).
+Fusion buffers are reused from cycle to cycle, one per accumulator dtype, plus a second set for
+what reducescatter and a grouped allgather receive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .. import fusion
+from ..backends.mpi import MpiBackend
+from ..fusion import FusionPlan
+from ..memory import HOST
+from ..protocol import Kind, Response
+from . import Executed
+
+Phases = list[tuple[str, int]]
+
+
+class HostExecutor:
+    """Runs host plans with ``backend`` for rank ``rank`` of ``size``; see the module docstring."""
+
+    batched: frozenset[Kind] = frozenset()
+
+    def __init__(self, backend: MpiBackend, rank: int, size: int) -> None:
+        self.backend = backend
+        self.rank, self.size = rank, size
+        self._buffers = fusion.FusionBuffers()
+        self._received = fusion.FusionBuffers()
+        self._table: dict[Kind, Callable[[FusionPlan], Phases]] = {
+            Kind.ALLREDUCE: self._allreduce, Kind.REDUCESCATTER: self._reducescatter,
+            Kind.BROADCAST: self._broadcast, Kind.ALLGATHER: self._allgather,
+            Kind.ALLTOALL: self._alltoall, Kind.BARRIER: _nothing, Kind.JOIN: _nothing}
+
+    def plan(self, response: Response, entries: list, divisor: int) -> FusionPlan:
+        """See :meth:`gradsync.executors.Executor.plan`."""
+        context = fusion.Context(self.rank, self.size, divisor, HOST, self.backend.traits)
+        return fusion.plan(response, entries, context)
+
+    def run(self, plans: list[FusionPlan]) -> Executed:
+        """See :meth:`gradsync.executors.Executor.run`; blocks until the data has moved."""
+        phases: Phases = []
+        for plan in plans:
+            phases += self._table[plan.kind](plan)
+        return Executed(tuple(phases))
+
+    def _send_buffer(self, plan: FusionPlan, array: np.ndarray) -> np.ndarray:
+        """``array``'s own memory for an in-place plan, else the fusion buffer of ``plan.dtype``."""
+        return HOST.flat(array) if plan.in_place else self._buffers.get(plan.dtype, plan.count)
+
+    def _allreduce(self, plan: FusionPlan) -> Phases:
+        buffer = self._send_buffer(plan, plan.entries[0].target)
+        fusion.pack(plan, HOST, buffer)
+        phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
+        self.backend.allreduce(buffer, plan.reduction.send_op, plan.reduction.logical)
+        phases.append(("ALLREDUCE", time.perf_counter_ns()))
+        fusion.unpack(plan, HOST, buffer)
+        if plan.unpacks:
+            phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
+        return phases
+
+    def _reducescatter(self, plan: FusionPlan) -> Phases:
+        send = self._send_buffer(plan, plan.entries[0].source)
+        fusion.pack(plan, HOST, send)
+        phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
+        receive = self._received.get(plan.dtype, plan.counts[self.rank])
+        self.backend.reducescatter(send, receive, list(plan.counts), plan.reduction.send_op,
+                                    plan.reduction.logical)
+        phases.append(("REDUCESCATTER", time.perf_counter_ns()))
+        fusion.unpack(plan, HOST, receive)
+        return phases + [("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns())]
+
+    def _broadcast(self, plan: FusionPlan) -> Phases:
+        buffer = self._send_buffer(plan, plan.entries[0].target)
+        fusion.pack(plan, HOST, buffer)
+        self.backend.broadcast(buffer, plan.root)
+        fusion.unpack(plan, HOST, buffer)
+        return [("BROADCAST", time.perf_counter_ns())]
+
+    def _allgather(self, plan: FusionPlan) -> Phases:
+        _allocate(plan)
+        send = self._send_buffer(plan, plan.entries[0].source)
+        fusion.pack(plan, HOST, send)
+        lone = len(plan.entries) == 1
+        total = sum(plan.counts)
+        receive = HOST.flat(plan.entries[0].target) if lone else self._received.get(plan.dtype, total)
+        self.backend.allgather(send, receive, [n * plan.dtype.itemsize for n in plan.counts])
+        fusion.unpack(plan, HOST, receive)
+        return [("ALLGATHER", time.perf_counter_ns())]
+
+    def _alltoall(self, plan: FusionPlan) -> Phases:
+        entry = plan.entries[0]
+        entry.result, entry.target = entry.allocate(plan.out_shapes[0], list(plan.rows))
+        send = self._send_buffer(plan, entry.source)
+        fusion.pack(plan, HOST, send)
+        itemsize = plan.dtype.itemsize
+        self.backend.alltoall(send, entry.target, [n * itemsize for n in plan.send_counts],
+                               [n * itemsize for n in plan.counts])
+        return [("ALLTOALL", time.perf_counter_ns())]
+
+
+def _allocate(plan: FusionPlan) -> None:
+    """Allocate each member's output (allgather) from the shape the plan computed."""
+    for entry, shape in zip(plan.entries, plan.out_shapes):
+        entry.result, entry.target = entry.allocate(shape)
+
+
+def _nothing(plan: FusionPlan) -> Phases:
+    """Barrier and join: negotiation itself proved that every rank arrived."""
+    return []

@@ -1,0 +1,162 @@
+"""The queue between the user's threads and a coordinator, and the registry of what is in flight.
+
+Any thread may push entries (the ops, in the caller's thread); the thread running the
+coordinator's cycle takes them. The queue also owns the registry of every collective in flight on
+this rank (from push until the coordinator hands its result over), so that another thread can stop
+gradsync without touching the coordinator's own state: :meth:`TensorQueue.close` (the liveness
+watchdog's verdict, a failed coordinator) fails every handle in flight right here, under the
+queue's lock, even while the coordinator thread is blocked in MPI for good.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import GradsyncError
+from .handles import Handle
+from .protocol import Request
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """A request together with this rank's memory for it.
+
+    ``source`` is a numpy view of the input; ``target`` a numpy view of where the result goes (the
+    same object for in-place ops; None where the coordinator allocates it, as for allgather).
+    ``result`` is what the handle returns; ``allocate`` makes it (and ``target``) when needed: from
+    the output shape (allgather), or from the output shape and the rows received from each rank
+    (alltoall, whose result is the pair (output, received splits)).
+    For a tensor in device memory, ``source`` and ``target`` are device arrays of the framework
+    whose :class:`~gradsync.device.DeviceRuntime` is ``runtime``, on CUDA device ``device``;
+    ``stream`` is the caller's current stream at submission and ``ready`` the event recorded on it.
+    """
+
+    request: Request
+    handle: Handle
+    source: Any
+    target: Any
+    result: Any
+    allocate: Callable[..., tuple[Any, Any]] | None = None
+    submitted_ns: int = dataclasses.field(default_factory=time.perf_counter_ns)
+    runtime: Any = None  # a gradsync.device.DeviceRuntime
+    device: int = -1
+    ready: Any = None
+    stream: Any = None
+
+
+# What a stopped queue raises and fails its handles with: called with the message.
+ErrorType = Callable[[str], GradsyncError]
+
+
+class TensorQueue:
+    """Thread-safe queue of entries, and registry of the collectives in flight (see the module doc).
+
+    ``world_rank`` is this process's world rank, which error messages name.
+    """
+
+    def __init__(self, world_rank: int) -> None:
+        self.world_rank = world_rank
+        self._cond = threading.Condition(threading.Lock())
+        self._new: list[Entry] = []
+        self._in_flight: dict[str, Entry] = {}
+        self._shutdown = False
+        self._interrupted = False
+        self.closed_error: BaseException | None = None
+        self.failure: str | None = None  # why gradsync stopped, when MPI can no longer finish cleanly
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_error is not None
+
+    def push(self, entry: Entry) -> None:
+        """Queue ``entry`` and wake the coordinator.
+
+        Raises:
+            ValueError: a collective of the same name is still in flight on this rank.
+            GradsyncError: the coordinator has stopped (the error says why).
+        """
+        self.push_all([entry])
+
+    def push_all(self, entries: list[Entry]) -> None:
+        """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`."""
+        with self._cond:
+            for entry in entries:
+                self._check_free(entry)
+            self._in_flight.update((entry.request.name, entry) for entry in entries)
+            self._new.extend(entries)
+            self._cond.notify()
+
+    def _check_free(self, entry: Entry) -> None:
+        if self.closed_error is not None:
+            raise self.closed_error
+        name = entry.request.name
+        if name in self._in_flight:
+            raise ValueError(f"gradsync: rank {self.world_rank}: a collective named {name!r} is "
+                             f"still in flight; wait for its handle before reusing the name")
+
+    def request_shutdown(self) -> None:
+        with self._cond:
+            self._shutdown = True
+            self._cond.notify()
+
+    def interrupt(self) -> None:
+        """Wake the coordinator from another thread (the device watchdog found an error)."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify()
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until there are new entries, shutdown was asked for, :meth:`interrupt` or
+        :meth:`close` was called, or ``timeout`` seconds passed (None: no limit)."""
+        with self._cond:
+            if not (self._new or self._shutdown or self._interrupted or self.closed_error):
+                self._cond.wait(timeout)
+
+    def take(self) -> tuple[list[Entry], bool]:
+        """The entries queued since the last call, and whether shutdown was asked for."""
+        with self._cond:
+            entries, self._new = self._new, []
+            self._interrupted = False
+            return entries, self._shutdown
+
+    def finished(self, names: list[str]) -> None:
+        """The collectives ``names`` are done with (their names may be reused)."""
+        with self._cond:
+            for name in names:
+                self._in_flight.pop(name, None)
+
+    def pending_names(self) -> list[str]:
+        """A snapshot of the names in flight (for the stall reports of other process sets)."""
+        with self._cond:
+            return list(self._in_flight)
+
+    def close(self, error_type: ErrorType, reason: str, cause: BaseException | None = None,
+              failure: bool = False) -> bool:
+        """Stop: refuse further entries, fail every collective in flight, wake the coordinator.
+
+        Each handle fails with ``error_type`` and a message naming its tensor and ``reason``; later
+        pushes raise "gradsync has stopped: <reason>". ``failure``: MPI cannot finish cleanly any
+        more (a rank was lost, the coordinator failed), recorded in :attr:`failure`. Callable from
+        any thread; only the first call has an effect (returns False for later ones).
+        """
+        with self._cond:
+            if self.closed_error is not None:
+                return False
+            closed = error_type(f"gradsync: rank {self.world_rank}: gradsync has stopped: {reason}")
+            closed.__cause__ = cause
+            self.closed_error = closed
+            self.failure = reason if failure else None
+            entries, self._new = list(self._in_flight.values()), []
+            self._in_flight.clear()
+            self._cond.notify()
+        for entry in entries:
+            request = entry.request
+            error = error_type(f"gradsync: rank {self.world_rank}: {request.kind.name.lower()} "
+                               f"{request.name!r} did not complete: {reason}")
+            error.__cause__ = cause
+            entry.handle._set_error(error)
+        return True
