@@ -574,8 +574,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             >= 0 nor lists of parameters (or both given, differently), a predivide factor with an op
             other than Average, an op other than Average, Sum and Adasum, an optimizer that is
             already distributed, or one whose ``step`` an LR scheduler created before wrapping has
-            already replaced; a ``process_set`` that is not registered or does not contain this
-            rank.
+            already replaced; a ``process_set`` that is not registered.
         NotImplementedError: ``op=Adasum`` on a process set whose size is not a power of two.
         TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
