@@ -82,6 +82,9 @@ def environment(ranks: int, environ: dict[str, str] | None = None) -> dict[str, 
         "torch": _version("torch"),
         "gradsync": f"{_version('gradsync')}, git {_git_revision()}",
     }
+    for package in ("jax", "jaxlib", "optax"):  # benchmarks/jax_step.py; absent from the others' files
+        if _version(package) != "not installed":
+            info[package] = _version(package)
     for variable in RECORDED_VARIABLES:
         info[variable] = environ.get(variable, "unset")
     for variable in sorted(v for v in environ if v.startswith("GRADSYNC_")):

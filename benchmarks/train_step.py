@@ -10,6 +10,12 @@ or all of them, interleaved, with a table at the end (and its numbers in a CSV f
 
     python benchmarks/train_step.py --compare --ranks 2 --repeats 3 [--model cnn] [--csv PATH]
 
+Two versions of gradsync side by side (before/after a change), each gradsync configuration once per
+source tree (its ``src/`` on PYTHONPATH), optionally with extra flags for that tree's launches:
+
+    python benchmarks/train_step.py --compare --thresholds 1048576 \
+        --src before=/path/to/main/src --src after=src --src after-at-step=src:--synchronize-at-step
+
 On a GPU (``--device cuda``; each rank takes the GPU of its local rank modulo the GPUs present, so
 several ranks may share one with GRADSYNC_GPU_OPERATIONS=MPI), every step ends with
 ``torch.cuda.synchronize()`` so that the time covers the GPU's work; DDP then uses NCCL:
@@ -56,7 +62,7 @@ def build_model(kind: str):
 
 
 def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None,
-            device: str = "cpu", batch: int = BATCH) -> None:
+            device: str = "cpu", batch: int = BATCH, synchronize_at_step: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -73,9 +79,10 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         if cuda:
             torch.cuda.set_device(gradsync.local_rank() % torch.cuda.device_count())
             model = model.cuda()
+        options = {"synchronize_in_backward": False} if synchronize_at_step else {}
         optimizer = gradsync.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            named_parameters=model.named_parameters())
+            named_parameters=model.named_parameters(), **options)
         gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
     elif mode == "ddp":
         import torch.distributed as dist
@@ -116,22 +123,37 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         print(f"median_step_ms={statistics.median(times) * 1e3:.2f}", flush=True)
 
 
+def source_trees(specs: list[str]) -> list[tuple[str, str | None, list[str]]]:
+    """(label, src path or None, extra flags) per ``--src LABEL=PATH[:FLAGS]``; [("", None, [])]
+    (the gradsync this Python imports) without any."""
+    trees = []
+    for spec in specs:
+        label, _, rest = spec.partition("=")
+        path, _, flags = rest.partition(":")
+        trees.append((label, os.path.abspath(path), flags.split()))
+    return trees or [("", None, [])]
+
+
 def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: str,
-            csv_path: str | None) -> None:
+            csv_path: str | None, trees: list[tuple[str, str | None, list[str]]]) -> None:
     """Launch every configuration `repeats` times, interleaved, and print a table of medians."""
     here = os.path.abspath(__file__)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    configs = [("single", ["--mode", "single"], False), ("ddp (gloo)", ["--mode", "ddp"], True)]
-    configs += [(f"gradsync, fusion {t >> 10} KiB", ["--mode", "gradsync", "--fusion-threshold",
-                                                    str(t)], True) for t in thresholds]
-    results: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    configs = [("single", ["--mode", "single"], False, env), ("ddp (gloo)", ["--mode", "ddp"], True, env)]
+    for label, path, flags in trees:
+        tree_env = env if path is None else dict(env, PYTHONPATH=os.pathsep.join(
+            filter(None, [path, env.get("PYTHONPATH")])))
+        configs += [(f"gradsync{' ' + label if label else ''}, fusion {t >> 10} KiB",
+                     ["--mode", "gradsync", "--fusion-threshold", str(t), *flags], True, tree_env)
+                    for t in thresholds]
+    results: dict[str, list[float]] = {name: [] for name, *_ in configs}
     for _ in range(repeats):
-        for name, args, parallel in configs:
+        for name, args, parallel, config_env in configs:
             cmd = [sys.executable, here, *args, "--model", model, "--steps", str(steps)]
             if parallel:
                 cmd = [mpiexec, "-n", str(ranks), *cmd]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=config_env)
             line = [x for x in out.stdout.splitlines() if x.startswith("median_step_ms=")]
             if not line:
                 raise SystemExit(f"{name} failed:\n{out.stdout}\n{out.stderr}")
@@ -139,11 +161,12 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     single = statistics.median(results["single"])
     ddp = statistics.median(results["ddp (gloo)"])
     print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, median of {repeats} launches x {steps} steps")
-    print(f"{'configuration':28s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s}")
+    width = max(28, *map(len, results))
+    print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s}")
     rows = []
     for name, values in results.items():
         median = statistics.median(values)
-        print(f"{name:28s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f}")
+        print(f"{name:{width}s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f}")
         rows.append({"model": model, "ranks": ranks, "configuration": name, "step_ms": round(median, 3),
                      "vs_ddp": round(median / ddp, 4), "efficiency": round(single / median, 4),
                      "launches": " ".join(f"{v:.2f}" for v in values)})
@@ -169,13 +192,18 @@ def main() -> None:
     parser.add_argument("--thresholds", type=str, default="262144,1048576,4194304,16777216,67108864",
                         help="fusion thresholds (bytes, comma separated) for --compare")
     parser.add_argument("--csv", type=str, default=None, help="--compare: also write the table here")
+    parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH[:FLAGS]",
+                        help="--compare: run the gradsync configurations with this src/ tree "
+                             "first on PYTHONPATH (and FLAGS); repeat to compare versions")
+    parser.add_argument("--synchronize-at-step", action="store_true",
+                        help="gradsync: DistributedOptimizer(synchronize_in_backward=False)")
     args = parser.parse_args()
     if args.compare:
         compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")],
-                args.model, args.csv)
+                args.model, args.csv, source_trees(args.src))
     else:
         measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold, args.device,
-                args.batch)
+                args.batch, args.synchronize_at_step)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ batch. Lines marked ``# gradsync:`` are the ones that make the script data-paral
     mpiexec -n 2 python examples/train_digits.py --resume    # continue from the last checkpoint
     python examples/train_digits.py                          # a single process works too
 
-The last line printed (by rank 0) is ``test_accuracy=<float>``.
+Rank 0 draws a progress bar on stderr (``--no-progress``: none) and prints one line per epoch on
+stdout; the last line it prints is ``test_accuracy=<float>``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per process, the host's GPUs taken in turn by local_rank()")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (rank 0 draws one on stderr, also under mpiexec)")
     return parser.parse_args()
+
+
+def progress_bar(total: int, rank: int, disable: bool) -> tqdm:
+    """Rank 0's progress bar, on stderr (stdout carries the results). Under mpiexec no rank's stderr
+    is a terminal, though the launcher forwards it to one, so the bar is drawn anyway, at most once
+    per second there, so that a log file it lands in gets a line a second, not one per step."""
+    on_terminal = sys.stderr.isatty()
+    return tqdm(total=total, file=sys.stderr, disable=disable or rank != 0, desc="training",
+                unit="step", mininterval=0.1 if on_terminal else 1.0, ncols=None if on_terminal else 80)
 
 
 def load_data() -> tuple[torch.Tensor, ...]:
@@ -109,9 +121,7 @@ def main() -> None:
     # Every rank takes the same number of full batches per epoch (the remainder is dropped), so no
     # rank waits at a gradient allreduce that another rank never reaches.
     steps = len(y_train) // size // args.batch_size
-    # The bar goes to stdout so that it stays in order with the printed lines.
-    progress = tqdm(total=(args.epochs - start_epoch) * steps, file=sys.stdout,
-                    disable=rank != 0 or not sys.stdout.isatty())  # a bar is noise in a log file
+    progress = progress_bar((args.epochs - start_epoch) * steps, rank, args.no_progress)
     # gradsync: per-sample means over every rank's batches, averaged across ranks when read.
     train_loss, train_acc = Metric("train_loss"), Metric("train_accuracy")
     for epoch in range(start_epoch, args.epochs):
@@ -141,7 +151,7 @@ def main() -> None:
                        args.checkpoint + ".tmp")
             os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never leave a half-written file
             progress.write(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss_now:.4f} "
-                           f"train_accuracy={acc_now:.4f} test_accuracy={test_acc:.4f}")
+                           f"train_accuracy={acc_now:.4f} test_accuracy={test_acc:.4f}", file=sys.stdout)
     progress.close()
 
     final = evaluate(model, x_test, y_test)

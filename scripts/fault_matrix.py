@@ -101,8 +101,8 @@ def _rows() -> list[Row]:
         Row("6.second_backward", "6 DistributedOptimizer",
             "a second backward with backward_passes_per_step=1", 2, ("optimizer.second_backward",),
             usable=True),
-        Row("6.zero_grad", "6 DistributedOptimizer", "zero_grad() between backward() and step()", 2,
-            ("optimizer.zero_grad",), usable=True),
+        Row("6.grad_in_flight", "6 DistributedOptimizer", "a gradient changed in place while its "
+            "allreduce is in flight", 2, ("optimizer.gradient_changed_in_flight",), usable=True),
         Row("6.two_optimizers", "6 DistributedOptimizer", "a second DistributedOptimizer over the same "
             "parameters", 2, ("optimizer.two_over_one_parameter",), usable=True),
         Row("6.scheduler", "6 DistributedOptimizer", "an LR scheduler created before wrapping", 2,

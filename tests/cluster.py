@@ -76,11 +76,11 @@ def right_plugin() -> str:
 
 
 def wrong_plugins() -> list[str]:
-    """srun --mpi plugins under which this MPI starts each task as a world of 1.
-
-    (MPICH under --mpi=pmix stops by itself: "unsupported PMI version PMIx".)
-    """
-    return ["pmi2", "none"] if flavour() == "openmpi" else ["none"]
+    """srun --mpi plugins this MPI cannot work under: gradsync.init() stops before MPI_Init where the
+    plugin's interface is one the MPI does not speak (Open MPI 5 under pmi2, MPICH under pmix, which
+    would abort inside MPI_Init: "unsupported PMI version PMIx"), after it where no plugin gives the
+    tasks a PMI (none: every task a world of 1)."""
+    return ["pmi2", "none"] if flavour() == "openmpi" else ["pmix", "none"]
 
 
 def slurm_is_up() -> bool:

@@ -1,4 +1,4 @@
-"""Test-suite wiring: this checkout's src/ first, the ``torch`` marker, and tests/parallel/.
+"""Test-suite wiring: this checkout's src/ first, the ``torch`` and ``jax`` markers, and tests/parallel/.
 
 ``tests/parallel/`` holds multi-rank tests that every rank of an MPI job runs together
 (``mpiexec -n N python -m pytest tests/parallel/test_x.py``; see its conftest). A plain pytest run
@@ -15,6 +15,11 @@ Every unmarked test therefore belongs to the numpy-only pass of .ci/run, which s
   ``importorskip``: mark it, or split its torch half off);
 * fails if fewer than ``GRADSYNC_TEST_MIN_PASSED`` tests passed (when that is set), so that a pass
   which silently stopped running the numpy tests cannot succeed.
+
+Tests that need JAX (and optax) carry ``@pytest.mark.jax`` and skip the same way where jax is not
+installed. .ci/run's JAX pass runs ``-m jax`` in a venv with jax but without torch, with
+``GRADSYNC_TEST_REQUIRE_JAX=1``: the session stops at once if jax cannot be imported, so that the
+pass cannot succeed by skipping.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "src"))  # this checkout's
 TORCH_INSTALLED = importlib.util.find_spec("torch") is not None
 WITHOUT_TORCH = os.environ.get("GRADSYNC_TEST_WITHOUT_TORCH") == "1"
 NO_TORCH_REASON = "needs PyTorch, which is not installed (pip install gradsync[torch])"
+JAX_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("jax", "optax"))
+NO_JAX_REASON = "needs JAX and optax, which are not installed (pip install gradsync[jax])"
 PARALLEL = Path(__file__).parent / "parallel"
 # Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
 _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -57,16 +64,21 @@ def pytest_configure(config: pytest.Config) -> None:
         else:
             pytest.exit("GRADSYNC_TEST_WITHOUT_TORCH=1 but `import torch` works here: "
                         "run the numpy-only pass in an environment without torch", returncode=4)
+    if os.environ.get("GRADSYNC_TEST_REQUIRE_JAX") == "1" and not JAX_INSTALLED:
+        pytest.exit(f"GRADSYNC_TEST_REQUIRE_JAX=1, but the tests marked jax would skip: {NO_JAX_REASON}",
+                    returncode=4)
     config.stash[_SKIPPED_FOR_TORCH] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if TORCH_INSTALLED:
-        return
-    skip = pytest.mark.skip(reason=NO_TORCH_REASON)
-    for item in items:
-        if item.get_closest_marker("torch"):
-            item.add_marker(skip)
+    for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
+                                      ("jax", JAX_INSTALLED, NO_JAX_REASON)):
+        if installed:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 _SKIPPED_FOR_TORCH = pytest.StashKey[list]()

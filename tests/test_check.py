@@ -78,7 +78,7 @@ def test_an_unusable_nccl_is_reported_with_the_reason_never_an_error(tmp_path):
     fake = tmp_path / "libnccl.so.2"
     fake.write_bytes(b"not a shared library")
     text, problems = nccl_status_with(str(fake))
-    assert text.startswith("not found (pip install gradsync[nccl]"), text
+    assert text.startswith("not found (pip install gradsync[nccl-cu12]"), text
     assert len(problems) == 1 and problems[0].startswith(f"GRADSYNC_NCCL_LIBRARY={fake}: "), problems
     text, problems = nccl_status_with(str(tmp_path / "missing.so"))
     assert text.startswith("not found") and "no such file" in problems[0], problems

@@ -1,4 +1,6 @@
-"""The README's example trains to the promised accuracy on 2 ranks and resumes from its checkpoint."""
+"""The README's examples train to the promised accuracy on 2 ranks; the torch one resumes from its
+checkpoint and shows its progress bar on rank 0 under mpiexec, the JAX one gives the same accuracy
+with its update inside jit and outside."""
 
 import re
 
@@ -6,8 +8,9 @@ import pytest
 
 from mpi_launch import REPO, run_mpi
 
-pytestmark = [pytest.mark.mpi, pytest.mark.torch]
+pytestmark = pytest.mark.mpi
 EXAMPLE = REPO / "examples" / "train_digits.py"
+JAX_EXAMPLE = REPO / "examples" / "train_digits_jax.py"
 
 
 def final_accuracy(output: str) -> float:
@@ -17,14 +20,39 @@ def final_accuracy(output: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.torch
 def test_digits_example_trains_and_resumes(tmp_path):
     checkpoint = str(tmp_path / "digits.pt")
-    first = run_mpi(EXAMPLE, 2, "--epochs", "20", "--checkpoint", checkpoint, timeout=240).stdout
+    # No bar here: the job's stdout and stderr come merged, and the bar's stderr could land last.
+    first = run_mpi(EXAMPLE, 2, "--epochs", "20", "--checkpoint", checkpoint, "--no-progress",
+                    timeout=240).stdout
     assert final_accuracy(first) >= 0.95, first
 
     resumed = run_mpi(EXAMPLE, 2, "--epochs", "22", "--checkpoint", checkpoint, "--resume",
-                      timeout=240).stdout
+                      "--no-progress", timeout=240).stdout
     assert "resuming from" in resumed and "at epoch 21" in resumed, resumed
     assert "epoch 1/22" not in resumed, "resume must not start again from epoch 1"
     assert "epoch 22/22" in resumed, resumed
     assert final_accuracy(resumed) >= 0.95, resumed
+
+
+def test_the_progress_bar_shows_on_rank_0_under_mpiexec_unless_switched_off(tmp_path):
+    # Under mpiexec no rank's stderr is a terminal; the bar is drawn anyway, by rank 0 alone.
+    # 2 epochs of 1347 // 2 ranks // 32 = 21 steps each: 42 steps.
+    args = ("--epochs", "2", "--checkpoint", str(tmp_path / "digits.pt"))
+    shown = run_mpi(EXAMPLE, 2, *args, timeout=240).stdout
+    assert len(re.findall(r"training:   0%\|[^|]*\| 0/42 \[", shown)) == 1, shown  # one bar starts
+    assert re.search(r"training: 100%\|[^|]*\| 42/42 \[", shown), shown
+    assert "epoch 2/2:" in shown and re.search(r"test_accuracy=[0-9.]+", shown), shown
+    hidden = run_mpi(EXAMPLE, 2, *args, "--no-progress", timeout=240).stdout
+    assert "42/42" not in hidden and "training:" not in hidden, hidden
+    assert final_accuracy(hidden) > 0.5, hidden
+
+
+@pytest.mark.jax
+def test_jax_digits_example_trains_with_its_update_in_jit_and_on_the_host():
+    in_jit = run_mpi(JAX_EXAMPLE, 2, timeout=240).stdout
+    assert final_accuracy(in_jit) >= 0.95, in_jit
+    on_host = run_mpi(JAX_EXAMPLE, 2, "--update", "host", "--epochs", "3", timeout=240).stdout
+    three_epochs = [line for line in in_jit.splitlines() if line.startswith("epoch 3/")]
+    assert three_epochs and three_epochs[0].replace("3/20", "3/3") in on_host, on_host

@@ -98,3 +98,15 @@ def test_two_ranks_on_one_gpu_through_mpi_staging_equal_single_process_training(
     result = run_mpi("gpu_train.py", 2, env={"GRADSYNC_GPU_OPERATIONS": "MPI"}, timeout=180)
     for rank in range(2):
         assert f"gpu_train rank {rank}: 5 steps equal (MPI" in result.stdout, result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("ranks", "env"), [(1, {"NCCL_SOCKET_IFNAME": "lo"}),
+                                            (2, {"GRADSYNC_GPU_OPERATIONS": "MPI"})],
+                         ids=["nccl-1", "mpi-staging-2"])
+def test_clipping_after_backward_and_broadcast_of_cuda_optimizer_state(ranks, env):
+    """Clipping right after backward() equals single-process GPU training; the root's CUDA
+    optimizer state travels as host tensors and lands on each rank's own GPU."""
+    result = run_mpi("gpu_contract.py", ranks, env=env, timeout=180)
+    for rank in range(ranks):
+        assert f"gpu_contract rank {rank}: ok" in result.stdout, result.stdout

@@ -1,28 +1,49 @@
-"""Launcher detection and the launcher/MPI mismatch error, from the environments real launchers set.
+"""Launch diagnostics (gradsync.launch): launcher detection, the MPI library's identity, the decision
+before MPI_Init, the world-of-1 check after it, and the start-up line.
 
 The environments below are what each launcher was observed to set (Slurm 22.05, Open MPI 5.0 and
-MPICH 5.0 wheels); tests/test_slurm.py runs the same cases for real under srun.
+MPICH 5.0 wheels); tests/test_slurm.py runs the same cases for real under srun, and
+tests/test_foreign_launcher.py starts one MPI's mpiexec with the other MPI's Python.
 """
 
+import logging
+import subprocess
 import sys
 
 import pytest
 
-from gradsync.runtime import Launcher, detect_launcher, launcher_mismatch
+from gradsync.launch import (
+    PMI,
+    PMIX,
+    Launcher,
+    MpiLibrary,
+    detect_launcher,
+    diagnose,
+    launch_line,
+    launcher_mismatch,
+    parse_library_version,
+)
+from gradsync.libraries import loaded_library
+from mpi_launch import REPO, flavour, run_mpi
 
-OPEN_MPI = ("Open MPI", (5, 0, 11))
-MPICH = ("MPICH", (5, 0, 2))
+OPEN_MPI = MpiLibrary("Open MPI", "5.0.11", frozenset({PMIX}), "/ompi/lib/libmpi.so.40")
+MPICH = MpiLibrary("MPICH", "5.0.2", frozenset({PMI}), "/mpich/lib/libmpi.so.12")
 SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
-             "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+             "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+OPEN_MPI_ENV = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1",
+                "PMIX_NAMESPACE": "prterun-vm-1@1", "OMPI_VERSION": "5.0.11"}
+HYDRA_ENV = {"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "9", "MPI_LOCALNRANKS": "2"}
+SRUN_PMIX_ENV = {**SRUN_STEP, "PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.8.0"}
+SRUN_PMI2_ENV = {**SRUN_STEP, "PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "11"}
 
 
 @pytest.mark.parametrize("environ, name, size, kind", [
     ({}, "none", None, "none"),
-    ({"OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "0"}, "Open MPI mpirun/mpiexec", 4, "mpiexec"),
+    (OPEN_MPI_ENV, "Open MPI mpirun/mpiexec", 2, "mpiexec"),
     ({"PMI_SIZE": "3", "PMI_RANK": "0", "MPI_LOCALNRANKS": "3"},
      "Hydra mpiexec (MPICH, Intel MPI)", 3, "mpiexec"),
-    ({**SRUN_STEP, "PMI_SIZE": "2", "PMI_RANK": "0", "PMI_FD": "11"}, "srun --mpi=pmi2", 2, "srun"),
-    ({**SRUN_STEP, "PMIX_RANK": "0", "PMIX_NAMESPACE": "slurm.pmix.8.0"}, "srun --mpi=pmix", 2, "srun"),
+    (SRUN_PMI2_ENV, "srun --mpi=pmi2", 2, "srun"),
+    (SRUN_PMIX_ENV, "srun --mpi=pmix", 2, "srun"),
     (SRUN_STEP, "srun without a PMI plugin (--mpi=none)", 2, "srun"),
     # Hydra inside a SLURM allocation starts its proxies with srun (one task per node): its own
     # PMI_SIZE counts the ranks, SLURM_STEP_NUM_TASKS the nodes.
@@ -37,22 +58,117 @@ SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
      "mpiexec"),
 ])
 def test_each_launcher_is_recognised_from_its_environment(environ, name, size, kind):
-    assert detect_launcher(environ) == Launcher(name, size, kind)
+    launcher = detect_launcher(environ)
+    assert (launcher.name, launcher.expected_size, launcher.kind) == (name, size, kind)
 
 
-@pytest.mark.parametrize("environ, vendor, fix", [
-    ({**SRUN_STEP, "PMI_SIZE": "2"}, OPEN_MPI, "Start it with `srun --mpi=pmix`, the plugin for Open MPI"),
+@pytest.mark.parametrize("environ, rank, interfaces", [
+    ({}, None, set()),
+    (OPEN_MPI_ENV, 1, {PMIX}),
+    (HYDRA_ENV, 1, {PMI}),
+    (SRUN_PMIX_ENV, 1, {PMIX}),
+    (SRUN_PMI2_ENV, 1, {PMI}),
+    (SRUN_STEP, 1, set()),
+    ({**HYDRA_ENV, "PMIX_NAMESPACE": "slurm.pmix.8.0"}, 1, {PMI, PMIX}),  # Hydra inside a PMIx step
+])
+def test_the_launcher_tells_this_processes_rank_and_its_process_management_interfaces(
+        environ, rank, interfaces):
+    launcher = detect_launcher(environ)
+    assert launcher.rank == rank and launcher.interfaces == interfaces
+
+
+@pytest.mark.parametrize("text, vendor, name, version, interfaces", [
+    ("MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25\nMPICH ABI:          18:2:6\n"
+     "MPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra:gforker\n", ("MPICH", (5, 0, 2)),
+     "MPICH", "5.0.2", {PMI}),
+    ("MPICH Version:      4.2.0\nMPICH configure:    --with-pmix=/usr --with-pm=no\n", ("MPICH", (4, 2, 0)),
+     "MPICH", "4.2.0", None),
+    ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11\0",
+     ("Open MPI", (5, 0, 11)), "Open MPI", "5.0.11", {PMIX}),
+    ("Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6", ("Open MPI", (4, 1, 6)), "Open MPI",
+     "4.1.6", None),
+    ("Intel(R) MPI Library 2021.10 for Linux* OS\n", ("Intel MPI", (2021, 10)), "Intel MPI", "2021.10", None),
+    ("MVAPICH2 Version :\t2.3.7\nMVAPICH2 Configure: --with-pm=hydra\n", ("MVAPICH2", (2, 3, 7)),
+     "MVAPICH", "2.3.7", {PMI}),
+    ("", ("Some MPI", (1, 2)), "Some MPI", "1.2", None),
+])
+def test_the_library_is_named_from_its_version_string_before_mpi_init(text, vendor, name, version,
+                                                                       interfaces):
+    library = parse_library_version(text, vendor, "/x/libmpi.so")
+    assert (library.name, library.version) == (name, version)
+    assert library.interfaces == (None if interfaces is None else frozenset(interfaces))
+    assert library.label == f"{name} {version} (/x/libmpi.so)"
+
+
+def test_the_library_file_is_found_among_the_mapped_files(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r--p 00000000 08:01 1 /usr/lib/libc.so.6\n"
+                    "7f02-7f03 r-xp 00000000 08:01 2 /venv/lib/libmpi.so.12\n"
+                    "7f04-7f05 rw-p 00000000 00:00 0 \n"
+                    "7f06-7f07 r-xp 00000000 08:01 3 /site/nvidia/nccl/lib/libnccl.so.2\n")
+    assert loaded_library(r"/lib(mpi|mpich)[^/]*\.so[.\d]*$", str(maps)) == "/venv/lib/libmpi.so.12"
+    assert loaded_library(r"/libnccl\.so\.2$", str(maps)) == "/site/nvidia/nccl/lib/libnccl.so.2"
+    assert loaded_library(r"/libfoo\.so$", str(maps)) is None
+    assert loaded_library(r"x", str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("environ, library, reason", [
+    # The filed case: Open MPI's mpiexec (PMIx) starting the MPICH venv's Python.
+    (OPEN_MPI_ENV, MPICH, "MPICH speaks only PMI-1/PMI-2, so MPI_Init would abort (\"unsupported PMI "
+                          "version PMIx\", exit status 16)"),
+    (SRUN_PMIX_ENV, MPICH, "MPICH speaks only PMI-1/PMI-2"),
+    ({**HYDRA_ENV, "PMIX_NAMESPACE": "slurm.pmix.8.0"}, MPICH,
+     "both PMI_SIZE (from Hydra mpiexec (MPICH, Intel MPI)) and PMIX_NAMESPACE=slurm.pmix.8.0"),
+    # The reverse: Hydra (PMI) starting the Open MPI venv's Python.
+    (HYDRA_ENV, OPEN_MPI, "Open MPI speaks only PMIx, so every process would start as rank 0 of a "
+                          "world of 1 and train alone"),
+    (SRUN_PMI2_ENV, OPEN_MPI, "Open MPI speaks only PMIx"),
+])
+def test_a_launcher_the_library_cannot_understand_is_found_before_mpi_init(environ, library, reason):
+    message = diagnose(detect_launcher(environ), library, environ)
+    assert message is not None
+    assert message.startswith(f"gradsync: {detect_launcher(environ).name} started 2 processes"), message
+    assert f"the MPI library this Python's mpi4py loads, {library.label}, cannot join them" in message
+    assert reason in message, message
+    if environ.get("SLURM_STEP_NUM_TASKS"):
+        plugin = "pmix" if library.name == "Open MPI" else "pmi2"
+        assert f"Start it with `srun --mpi={plugin}`, the plugin for {library.name}" in message
+    else:
+        assert f"launch with the mpiexec of {library.name}" in message
+        assert f" -n 2 {sys.executable} ...`" in message, message
+    if "OMPI_VERSION" in environ:
+        assert "started 2 processes (Open MPI 5.0.11" in message, message
+
+
+@pytest.mark.parametrize("environ, library", [
+    (OPEN_MPI_ENV, OPEN_MPI),
+    (HYDRA_ENV, MPICH),
+    (SRUN_PMIX_ENV, OPEN_MPI),
+    (SRUN_PMI2_ENV, MPICH),
+    ({}, MPICH),
+    ({}, OPEN_MPI),
+    ({**OPEN_MPI_ENV, "PMI_SIZE": "2"}, OPEN_MPI),  # Open MPI ignores PMI_* beside PMIx
+    ({**HYDRA_ENV, "PMI_SIZE": "1"}, OPEN_MPI),  # one process: a world of 1 is what was asked for
+    (SRUN_STEP, MPICH),  # no PMI variables: decided after MPI_Init (launcher_mismatch)
+    (OPEN_MPI_ENV, MpiLibrary("Intel MPI", "2021.10")),  # unknown interfaces: no decision
+])
+def test_a_launcher_the_library_understands_or_cannot_be_judged_passes(environ, library):
+    assert diagnose(detect_launcher(environ), library, environ) is None
+
+
+@pytest.mark.parametrize("environ, library, fix", [
+    (SRUN_PMI2_ENV, OPEN_MPI, "Start it with `srun --mpi=pmix`, the plugin for Open MPI"),
     (SRUN_STEP, OPEN_MPI, "Start it with `srun --mpi=pmix`, the plugin for Open MPI"),
     (SRUN_STEP, MPICH, "Start it with `srun --mpi=pmi2`, the plugin for MPICH"),
     ({"OMPI_COMM_WORLD_SIZE": "2"}, MPICH, "launch with the mpiexec of MPICH"),
     ({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}, OPEN_MPI, "launch with the mpiexec of Open MPI"),
 ])
-def test_a_world_of_one_under_a_launcher_of_two_names_the_mismatch_and_the_fix(environ, vendor, fix):
+def test_a_world_of_one_under_a_launcher_of_two_names_the_mismatch_and_the_fix(environ, library, fix):
     launcher = detect_launcher(environ)
-    message = launcher_mismatch(launcher, 1, vendor)
+    message = launcher_mismatch(launcher, 1, library)
     assert message is not None
     assert f"{launcher.name} started 2 processes" in message
-    assert f"MPI ({vendor[0]} {'.'.join(map(str, vendor[1]))}) sees a world of 1" in message
+    assert f"MPI ({library.name} {library.version}) sees a world of 1" in message
     assert fix in message
     if "mpiexec of" in fix:  # the example command is this Python, not whichever is first on PATH
         assert f" -n 2 {sys.executable} ...`" in message, message
@@ -67,3 +183,70 @@ def test_a_world_of_one_under_a_launcher_of_two_names_the_mismatch_and_the_fix(e
 def test_no_error_when_the_world_is_what_the_launcher_started_or_not_a_world_of_one(launcher,
                                                                                      world_size):
     assert launcher_mismatch(launcher, world_size, MPICH) is None
+
+
+def test_the_start_up_line_warns_about_one_rank_without_a_launcher_and_informs_otherwise():
+    level, line = launch_line(1, 1, MPICH, Launcher("none", None))
+    assert level == logging.WARNING
+    assert line.startswith(f"gradsync: 1 rank, no launcher, MPI: {MPICH.label}: this process trains alone")
+    assert f" -n N {sys.executable} ...`" in line
+    level, line = launch_line(4, 2, OPEN_MPI, detect_launcher({**OPEN_MPI_ENV, "OMPI_COMM_WORLD_SIZE": "4"}))
+    assert level == logging.INFO
+    assert line == f"gradsync: 4 ranks on 2 hosts, MPI: {OPEN_MPI.label}, launcher: Open MPI mpirun/mpiexec"
+    assert launch_line(1, 1, MPICH, detect_launcher(HYDRA_ENV))[0] == logging.INFO  # mpiexec -n 1
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with this checkout's gradsync and no launcher variables."""
+    environ = {k: v for k, v in __import__("os").environ.items()
+               if not k.startswith(("PMI", "OMPI_", "SLURM_", "GRADSYNC_"))}
+    environ.update(PYTHONPATH=str(REPO / "src"), **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=environ, cwd=REPO)
+
+
+def test_import_gradsync_does_not_import_mpi4py_MPI():
+    # Importing mpi4py.MPI initialises MPI, and MPI_Init aborts under a foreign launcher before
+    # init() could say why; so only init() may import it.
+    result = run_python("import gradsync, gradsync.metrics, sys; assert 'mpi4py.MPI' not in sys.modules, "
+                        "sorted(m for m in sys.modules if m.startswith('mpi4py'))")
+    assert result.returncode == 0, result.stderr
+
+
+def test_init_starts_mpi_itself_and_leaves_mpi4py_to_finalize_it_at_exit():
+    # rc.finalize=True makes mpi4py finalise MPI at exit although it did not initialise it
+    # (test_foreign_launcher.py checks under Open MPI, whose launcher reports a missing
+    # MPI_Finalize); rc.initialize reads as before.
+    result = run_python(
+        "import gradsync, mpi4py\n"
+        "gradsync.init()\n"
+        "from mpi4py import MPI\n"
+        "print(MPI.Is_initialized(), MPI.Query_thread() == MPI.THREAD_MULTIPLE, mpi4py.rc.initialize, "
+        "mpi4py.rc.finalize, gradsync.size())\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "True", "True", "1"], result.stdout + result.stderr
+
+
+def test_an_mpi_the_user_initialised_first_is_used_as_it_is():
+    result = run_python("from mpi4py import MPI\nimport gradsync\ngradsync.init()\n"
+                        "print(gradsync.size(), MPI.Is_initialized())\n")
+    assert result.returncode == 0 and result.stdout.split() == ["1", "True"], result.stderr
+
+
+def test_rank_0_logs_the_start_up_line_visible_by_default():
+    result = run_python("import gradsync\ngradsync.init()\n")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "gradsync: 1 rank" in line]
+    assert len(lines) == 1 and lines[0].startswith("[gradsync rank 0] WARNING: gradsync: 1 rank, no launcher"), \
+        result.stderr
+    quiet = run_python("import gradsync\ngradsync.init()\n", GRADSYNC_LOG_LEVEL="error")
+    assert quiet.returncode == 0 and "gradsync: 1 rank" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.mpi
+def test_under_mpiexec_rank_0_alone_logs_the_start_up_line():
+    result = run_mpi("init_only.py", 2, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if "gradsync: 2 ranks on 1 host" in line]
+    assert len(lines) == 1 and lines[0].startswith("[gradsync rank 0] INFO: "), result.stdout
+    assert f"MPI: {'Open MPI' if flavour() == 'openmpi' else 'MPICH'} " in lines[0], lines[0]
+    assert "no launcher" not in result.stdout

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: A recent NCCL for the mapping tests, and one from before ncclAvg / bfloat16 (2.10).
 NEW, OLD = (2, 32, 3), (2, 9, 9)
 
-requires_nccl = pytest.mark.skipif(not nccl.nccl_built(), reason="no NCCL library (pip install gradsync[nccl])")
+requires_nccl = pytest.mark.skipif(not nccl.nccl_built(), reason="no NCCL library (pip install gradsync[nccl-cu12])")
 
 
 def _wheel_installed(name: str) -> bool:
@@ -52,7 +52,8 @@ def loopback_bootstrap():
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (own NCCL cache), with ``env`` added; fail after 60 s."""
     environ = {k: v for k, v in os.environ.items() if k != nccl.ENV_LIBRARY}
-    environ.update(NCCL_SOCKET_IFNAME="lo", **env)
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), environ.get("PYTHONPATH")]))
+    environ.update(NCCL_SOCKET_IFNAME="lo", PYTHONPATH=path, **env)  # this checkout's gradsync
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True,
                           text=True, timeout=60)
 
@@ -212,19 +213,51 @@ def test_a_failed_search_lists_every_place_and_why():
     assert "gradsync-test-no-nccl-cu13 wheel: not installed" in message
     assert "system: ctypes.util.find_library('gradsync_test_no_nccl') found nothing" in message
     assert "system (libgradsync_test_no_nccl.so.2): cannot load library" in message
-    assert "pip install gradsync[nccl]" in message
+    assert "pip install gradsync[nccl-cu12]" in message
 
 
-def test_the_search_order_is_env_cu12_cu13_system():
+def test_the_search_order_is_env_loaded_cu12_cu13_system():
     assert nccl.WHEELS == ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
     message = ""
     try:
-        nccl._search("", ("gradsync-test-a", "gradsync-test-b"), ("gradsync_test_c", "libgradsync_test_c.so"))
+        nccl._search("", ("gradsync-test-a", "gradsync-test-b"), ("gradsync_test_c", "libgradsync_test_c.so"),
+                     loaded="/gradsync-test-loaded/libnccl.so.2")
     except NcclUnavailableError as exc:
         message = str(exc)
-    places = ["GRADSYNC_NCCL_LIBRARY", "gradsync-test-a", "gradsync-test-b", "gradsync_test_c"]
+    places = ["GRADSYNC_NCCL_LIBRARY", f"{nccl.LOADED_SOURCE}: ", "gradsync-test-a", "gradsync-test-b", "gradsync_test_c"]
     positions = [message.index(p) for p in places]
     assert positions == sorted(positions), message
+
+
+@requires_nccl
+def test_an_nccl_already_loaded_in_the_process_is_taken_and_logged():
+    # torch's CUDA builds load their NCCL at import; loading another file beside it would put two
+    # NCCLs in one process. Here ctypes stands in for torch.
+    path = nccl.load_library().path
+    result = run_python(f"""
+        import ctypes, json, logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("gradsync").setLevel(logging.INFO)
+        ctypes.CDLL({path!r})
+        from gradsync import nccl
+        lib = nccl.load_library()
+        print(json.dumps({{"source": lib.source, "path": lib.path}}))
+    """)
+    info = last_json(result)
+    assert info["source"] == nccl.LOADED_SOURCE, info
+    assert Path(info["path"]).resolve() == Path(path).resolve()
+    assert f"gradsync: NCCL {'.'.join(map(str, nccl.version()))} from {info['path']} " \
+           f"({nccl.LOADED_SOURCE})" in result.stderr, result.stderr
+
+
+def test_a_loaded_file_is_found_by_its_mapped_path(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 2 /torch/site-packages/nvidia/nccl/lib/libnccl.so.2\n")
+    assert nccl.loaded_library(nccl.LOADED_PATTERN, str(maps)) == \
+        "/torch/site-packages/nvidia/nccl/lib/libnccl.so.2"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5\n"
+                    "7f00-7f01 r-xp 0 08:01 2 /usr/lib/libnccl-net.so\n")
+    assert nccl.loaded_library(nccl.LOADED_PATTERN, str(maps)) == "/usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5"
 
 
 def test_the_binding_imports_no_framework():

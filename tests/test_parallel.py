@@ -2,8 +2,8 @@
 
 A file declares the rank counts it runs at in a module-level ``RANKS = (1, 2, 4)`` (the default)
 and, when it needs more than the default 300 s, ``TIMEOUT = <seconds>``. A file that needs torch
-sets ``pytestmark = pytest.mark.torch``; its jobs are then marked torch here too, so they skip
-where torch is not installed. See tests/parallel/conftest.py for what each job guarantees.
+sets ``pytestmark = pytest.mark.torch`` (or ``jax``); its jobs are then marked so here too, so they
+skip where torch (jax) is not installed. See tests/parallel/conftest.py for what each job guarantees.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def _module_setting(path: Path, name: str, default):
 def _jobs():
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
-        if re.search(r"^pytestmark\s*=.*pytest\.mark\.torch", path.read_text(), re.M):
-            marks.append(pytest.mark.torch)
+        for framework in ("torch", "jax"):
+            if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
+                marks.append(getattr(pytest.mark, framework))
         for n in _module_setting(path, "RANKS", DEFAULT_RANKS):
             yield pytest.param(path, n, id=f"{path.stem}-{n}", marks=marks)
 

@@ -182,11 +182,14 @@ def optimizer_second_backward() -> None:
     usable()
 
 
-def optimizer_zero_grad() -> None:
-    model, opt = model_and_optimizer()
+def optimizer_gradient_changed_in_flight() -> None:
+    model, opt = model_and_optimizer(synchronize_in_backward=False)  # Horovod's timing
     loss(model).backward()
+    model[2].bias.grad.mul_(2.0)  # while its allreduce is in flight
     start()
-    expect_error(opt.zero_grad)
+    expect_error(opt.step)
+    opt.zero_grad()
+    loss(model).backward()
     opt.step()
     usable()
 
@@ -295,7 +298,7 @@ SCENARIOS = {
     "join.uneven": join_uneven,
     "join.broadcast_from_joined_root": join_broadcast_from_joined_root,
     "optimizer.second_backward": optimizer_second_backward,
-    "optimizer.zero_grad": optimizer_zero_grad,
+    "optimizer.gradient_changed_in_flight": optimizer_gradient_changed_in_flight,
     "optimizer.two_over_one_parameter": optimizer_two_over_one_parameter,
     "optimizer.scheduler_first": optimizer_scheduler_first,
     "input.dtype": lambda: rejected_on_rank_0(lambda: gs.allreduce(np.ones(2, np.complex64), name="bad")),

@@ -17,7 +17,9 @@ import os as _os
 
 # Open MPI busy-polls in blocking calls unless told to yield; the coordinator waits in them while the
 # training thread needs the core (PERF-NOTES.md fact 1). It must be in the environment before MPI
-# initialises, which happens when a gradsync module first imports mpi4py.MPI: so, here, first.
+# initialises: in gradsync.init() (gradsync.launch.start_mpi), or at the user's own import of
+# mpi4py.MPI, which may come after `import gradsync`. So, here, first. (Importing gradsync imports no
+# mpi4py.MPI itself: that import initialises MPI, before init() could check the launch.)
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
@@ -25,6 +27,7 @@ from .compression import Compression, Compressor
 from .errors import (
     CollectiveError,
     GradsyncError,
+    LaunchError,
     NotInitializedError,
     RankFailureError,
     ShutdownError,
@@ -102,7 +105,7 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Handle", "GroupHandle",
     "nccl_built", "nccl_version", "Compression", "Compressor",
-    "GradsyncError", "NotInitializedError", "CollectiveError", "ShutdownError", "StallError",
-    "RankFailureError",
+    "GradsyncError", "NotInitializedError", "LaunchError", "CollectiveError", "ShutdownError",
+    "StallError", "RankFailureError",
     *_TORCH_NAMES,
 ]

@@ -22,7 +22,9 @@ from .tensors import ArrayAdapter, TensorInfo, registered
 
 #: The adapter module of each framework gradsync knows by name, imported on first sight of one of
 #: its arrays; importing it registers its adapter (:func:`gradsync.tensors.register`).
-ADAPTER_MODULES = {"torch": "gradsync.torch.array", "cupy": "gradsync.cupy"}
+# jax.Array (jaxlib's ArrayImpl) and jax's tracers live in jaxlib and jax.
+ADAPTER_MODULES = {"torch": "gradsync.torch.array", "cupy": "gradsync.cupy",
+                   "jax": "gradsync.jax.array", "jaxlib": "gradsync.jax.array"}
 
 __all__ = ["ADAPTER_MODULES", "ArrayAdapter", "DLPackAdapter", "NumpyAdapter", "TensorInfo",
            "adapter_for"]
@@ -82,7 +84,7 @@ _DLPACK = DLPackAdapter()
 
 
 def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
-    """The adapter for ``x``'s framework: numpy, one of :data:`ADAPTER_MODULES` (torch, CuPy:
+    """The adapter for ``x``'s framework: numpy, one of :data:`ADAPTER_MODULES` (torch, CuPy, JAX:
     imported on first sight, where they register themselves), an array type that names its own adapter in a
     ``__gradsync_adapter__`` class attribute, or any DLPack/array-API array.
 

@@ -6,11 +6,12 @@ Run it alone, or under the launcher you train with, with the same options::
     mpiexec -n 4 python -m gradsync.check
     srun --mpi=pmix -n 8 python -m gradsync.check
 
-Rank 0 prints the MPI library and version, the thread level, the launcher detected, the rank
-layout per host (local and cross ranks, GPUs), whether NCCL, CuPy and torch are available, then
-runs a small allreduce, broadcast and allgather against the expected values and a bandwidth probe,
-and ends with ``PASS`` or ``FAIL: <reason>`` (exit status 0 or 1). Missing NCCL, CuPy or torch are
-reported, never a failure. A watchdog aborts the job with a FAIL line if a rank gets stuck.
+Rank 0 prints the MPI library and version, the launcher detected, and, when the two cannot work
+together, a FAIL line before MPI is started (:func:`gradsync.launch.diagnose`); then the thread
+level, the rank layout per host (local and cross ranks, GPUs), whether NCCL, CuPy and torch are
+available, then runs a small allreduce, broadcast and allgather against the expected values and a
+bandwidth probe, and ends with ``PASS`` or ``FAIL: <reason>`` (exit status 0 or 1). Missing NCCL,
+CuPy or torch are reported, never a failure. A watchdog aborts the job with a FAIL line if a rank gets stuck.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 
 KEY_WIDTH = 14
+#: Seconds a rank that prints nothing waits before exiting from a failed launch (see unlaunched_verdict).
+QUIET_EXIT_DELAY = 5.0
 THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                  "MPI_THREAD_MULTIPLE")
 
@@ -79,21 +82,22 @@ class Watchdog:
 # ---- libraries -----------------------------------------------------------------------------------
 
 def nccl_status() -> tuple[str, list[str]]:
-    """The NCCL that gradsync loads (:func:`gradsync.nccl.load_library`: GRADSYNC_NCCL_LIBRARY, the
-    nvidia-nccl-cu12/cu13 wheels, the system): its version and file, or "not found", plus the
-    places that failed for a reason other than plain absence. Never raises."""
+    """The NCCL that gradsync loads (:func:`gradsync.nccl.load_library`: GRADSYNC_NCCL_LIBRARY, one
+    already loaded by torch, the nvidia-nccl-cu12/cu13 wheels, the system): its version and file, or
+    "not found", plus the places that failed for a reason other than plain absence. Never raises."""
     try:
         from gradsync import nccl
 
         library = nccl.load_library()
     except Exception as exc:  # noqa: BLE001 - NcclUnavailableError, or a broken binding
         tried = [line.strip()[2:] for line in str(exc).splitlines() if line.strip().startswith("- ")]
-        absent = ("not set", "not installed", "found nothing", "cannot open shared object file")
+        absent = ("not set", "not installed", "found nothing", "cannot open shared object file",
+                  "in this process: none")
         problems = [t for t in tried if not any(marker in t for marker in absent)]
         if not tried:
             problems = [f"{type(exc).__name__}: {exc}"]
-        return ("not found (pip install gradsync[nccl] for CUDA 12, nvidia-nccl-cu13 for CUDA 13, "
-                "or set GRADSYNC_NCCL_LIBRARY)", problems)
+        return ("not found (pip install gradsync[nccl-cu12] for CUDA 12, gradsync[nccl-cu13] for "
+                "CUDA 13, or set GRADSYNC_NCCL_LIBRARY)", problems)
     return f"{'.'.join(map(str, library.version))} ({library.path}, {library.source})", []
 
 
@@ -243,6 +247,16 @@ def verdict(report: Report, warnings: list[str], problems: list[str]) -> int:
     return 0
 
 
+def unlaunched_verdict(report: Report, problem: str) -> int:
+    """FAIL for a launch whose processes cannot talk to each other. The launcher's rank 0 prints; the
+    others wait before they exit, since a launcher ends the whole job at the first failed exit and
+    would cut rank 0's report short (rank 0's own exit ends them sooner)."""
+    status = verdict(report, [], [problem])
+    if not report.printing:
+        time.sleep(QUIET_EXIT_DELAY)
+    return status
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gradsync.check", description=__doc__.split("\n")[0])
     parser.add_argument("--probe-mib", type=float, default=16.0,
@@ -254,25 +268,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def describe_mpi(report: Report, gs: Any) -> str | None:
-    """Report MPI, the thread level and the launcher; the launcher/MPI mismatch error, if any."""
-    from mpi4py import MPI
-
-    from gradsync.runtime import detect_launcher, launcher_mismatch
-
-    world = MPI.COMM_WORLD
-    vendor, version = MPI.get_vendor()
-    level = MPI.Query_thread()
+def describe_library(report: Report, gs: Any, MPI: Any, library: Any) -> None:
+    """Report gradsync, Python and the MPI library; all known before ``MPI_Init``."""
     report.line("gradsync", f"{gs.__version__} on Python {platform.python_version()} ({sys.executable})")
     report.line("MPI library", " ".join(MPI.Get_library_version().replace("\0", "").split("\n")[0].split()))
-    report.line("MPI", f"{vendor} {'.'.join(map(str, version))}, standard "
+    report.line("MPI", f"{library.name} {library.version}, standard "
                        f"{'.'.join(map(str, MPI.Get_version()))}, mpi4py "
-                       f"{importlib.import_module('mpi4py').__version__}")
+                       f"{importlib.import_module('mpi4py').__version__}"
+                       + (f", {library.path}" if library.path else ""))
+
+
+def describe_launch(report: Report, MPI: Any, launcher: Any, library: Any) -> str | None:
+    """Report the thread level and the launcher once MPI runs; the launcher/MPI mismatch, if any."""
+    from gradsync.launch import launcher_mismatch
+
+    world = MPI.COMM_WORLD
+    level = MPI.Query_thread()
     report.line("thread level", THREAD_LEVELS[level] if 0 <= level < 4 else str(level))
-    launcher = detect_launcher()
     started = f", started {launcher.expected_size} processes" if launcher.expected_size else ""
     report.line("launcher", f"{launcher.name}{started}; MPI world size {world.Get_size()}")
-    return launcher_mismatch(launcher, world.Get_size(), (vendor, version))
+    return launcher_mismatch(launcher, world.Get_size(), library)
 
 
 def describe_layout(report: Report, gs: Any, watchdog: Watchdog) -> list[str]:
@@ -330,14 +345,26 @@ def run_collectives(report: Report, gs: Any, watchdog: Watchdog, args: argparse.
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mpi4py import MPI  # importing gradsync has already initialised MPI
-
     import gradsync as gs
+    from gradsync import launch
 
-    report = Report(MPI.COMM_WORLD.Get_rank() == 0)
-    mismatch = describe_mpi(report, gs)
+    # Before MPI runs, only the launcher knows the ranks: its rank 0 alone prints, as rank 0 does later.
+    launcher = launch.detect_launcher()
+    report = Report(launcher.rank in (None, 0))
+    MPI = launch.import_mpi()
+    library = launch.mpi_library(MPI)
+    describe_library(report, gs, MPI, library)
+    try:
+        launch.start_mpi()
+    except gs.GradsyncError as exc:
+        started = f", started {launcher.expected_size} processes" if launcher.expected_size else ""
+        report.line("launcher", f"{launcher.name}{started}; MPI not started")
+        return unlaunched_verdict(report, str(exc))
+    if MPI.COMM_WORLD.Get_size() > 1:
+        report = Report(MPI.COMM_WORLD.Get_rank() == 0)
+    mismatch = describe_launch(report, MPI, launcher, library)
     if mismatch:
-        return verdict(report, [], [mismatch])
+        return unlaunched_verdict(report, mismatch)
     watchdog = Watchdog(args.timeout, MPI.COMM_WORLD.Get_rank())
     watchdog.enter("in gradsync.init()")
     try:

@@ -15,6 +15,14 @@ class NotInitializedError(GradsyncError):
     """An operation was called before ``gradsync.init()`` (or after ``gradsync.shutdown()``)."""
 
 
+class LaunchError(GradsyncError):
+    """``gradsync.init()`` found, before ``MPI_Init``, that the launcher and the MPI library mpi4py
+    loads cannot work together (one MPI's ``mpiexec`` starting a Python whose mpi4py loads another
+    MPI, or a wrong ``srun --mpi`` plugin). The message names the launcher, the MPI library (and the
+    file it was loaded from) and the fix; MPI is left uninitialised. See docs/launching.md.
+    """
+
+
 class CollectiveError(GradsyncError):
     """A collective failed: ranks disagreed on it, or it could not be carried out.
 

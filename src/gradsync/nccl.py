@@ -9,13 +9,17 @@ Where the library is looked for, in order (the first that loads wins):
 
 1. ``GRADSYNC_NCCL_LIBRARY``: the path of libnccl.so.2 (or of its directory). When set, it is the only
    place looked at: a wrong path is an error, never a silent fall-back to another NCCL.
-2. the ``nvidia-nccl-cu12`` wheel (``pip install gradsync[nccl]``),
-3. the ``nvidia-nccl-cu13`` wheel,
-4. the system: ``ctypes.util.find_library("nccl")``, then ``libnccl.so.2`` through the dynamic loader
+2. a libnccl.so.2 this process has already loaded: a CUDA build of torch loads the NCCL it was
+   built with (the ``nvidia-nccl-cu13`` wheel for CUDA 13) at ``import torch``. Taking that one keeps
+   a second, possibly incompatible NCCL out of the process.
+3. the ``nvidia-nccl-cu12`` wheel (``pip install gradsync[nccl-cu12]``),
+4. the ``nvidia-nccl-cu13`` wheel (``pip install gradsync[nccl-cu13]``),
+5. the system: ``ctypes.util.find_library("nccl")``, then ``libnccl.so.2`` through the dynamic loader
    (``LD_LIBRARY_PATH``, ld.so.cache).
 
-The library is loaded once per process, on first use (:func:`load_library`); it loads and answers
-:func:`version` and :func:`unique_id` without a GPU. Creating a communicator needs a CUDA device.
+The library is loaded once per process, on first use (:func:`load_library`), and the ``gradsync``
+logger says at INFO level which one was taken; it loads and answers :func:`version` and
+:func:`unique_id` without a GPU. Creating a communicator needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.resources
+import logging
 import operator
 import os
 from collections.abc import Iterator
@@ -34,7 +39,10 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import NcclError, NcclUnavailableError
+from .libraries import loaded_library
 from .protocol import ReduceOp
+
+log = logging.getLogger("gradsync")
 
 __all__ = [
     "ENV_LIBRARY", "Library", "load_library", "version", "decode_version", "unique_id",
@@ -47,6 +55,9 @@ ENV_LIBRARY = "GRADSYNC_NCCL_LIBRARY"
 LIBRARY_NAME = "libnccl.so.2"
 #: pip distributions that ship libnccl.so.2, in the order they are looked at.
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
+#: A mapped file that is an NCCL: libnccl.so.2, or the versioned file it links to.
+LOADED_PATTERN = r"/libnccl\.so\.2(\.[\d.]+)?$"
+LOADED_SOURCE = "already loaded in this process"
 UNIQUE_ID_BYTES = 128
 #: ncclRemoteError: a peer exited or its network failed.
 REMOTE_ERROR = 6
@@ -177,12 +188,14 @@ def _wheel_paths(distribution: str) -> list[str] | str:
     return [os.path.join(p, "lib", LIBRARY_NAME) for p in nvidia.nccl.__path__]
 
 
-def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | None) -> Library:
+def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | None,
+            loaded: str | None = None) -> Library:
     """Load the first NCCL found (module docstring order); raise NcclUnavailableError listing all tries.
 
-    ``explicit`` is the value of GRADSYNC_NCCL_LIBRARY ('' when unset), ``wheels`` the pip
-    distributions to look in, ``system`` the (find_library name, soname) pair of the system search, or
-    None to skip it. Parameters, so that tests can search places that do not exist.
+    ``explicit`` is the value of GRADSYNC_NCCL_LIBRARY ('' when unset), ``loaded`` the path of an NCCL
+    this process already mapped (None: none), ``wheels`` the pip distributions to look in, ``system``
+    the (find_library name, soname) pair of the system search, or None to skip it. Parameters, so
+    that tests can search places that do not exist.
     """
     ffi = _ffi()
     tried: list[str] = []
@@ -198,6 +211,10 @@ def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | No
         raise NcclUnavailableError(_not_found(tried, f"no other place was searched because {ENV_LIBRARY} "
                                                      "is set; unset it to search the wheels and the system"))
     tried.append(f"{ENV_LIBRARY}: not set")
+    if loaded is None:
+        tried.append(f"{LOADED_SOURCE}: none")
+    elif (library := _open(ffi, LOADED_SOURCE, loaded, tried)) is not None:
+        return library
     for wheel in wheels:
         paths = _wheel_paths(wheel)
         if isinstance(paths, str):
@@ -216,9 +233,9 @@ def _search(explicit: str, wheels: tuple[str, ...], system: tuple[str, str] | No
         for name in dict.fromkeys(n for n in (found, soname) if n):
             if (library := _open(ffi, f"system ({name})", name, tried)) is not None:
                 return library
-    raise NcclUnavailableError(_not_found(tried, f"install it with `pip install gradsync[nccl]` (CUDA 12; "
-                                                 f"nvidia-nccl-cu13 for CUDA 13) or set {ENV_LIBRARY} "
-                                                 "to the path of libnccl.so.2"))
+    raise NcclUnavailableError(_not_found(tried, "install it with `pip install gradsync[nccl-cu12]` "
+                                                 "(CUDA 12) or gradsync[nccl-cu13] (CUDA 13) or set "
+                                                 f"{ENV_LIBRARY} to the path of libnccl.so.2"))
 
 
 def _not_found(tried: list[str], advice: str) -> str:
@@ -234,7 +251,10 @@ def load_library() -> Library:
     Raises:
         NcclUnavailableError: no place had a loadable NCCL; the message lists each place and why.
     """
-    return _search(os.environ.get(ENV_LIBRARY, ""), WHEELS, ("nccl", LIBRARY_NAME))
+    library = _search(os.environ.get(ENV_LIBRARY, ""), WHEELS, ("nccl", LIBRARY_NAME),
+                      loaded_library(LOADED_PATTERN))
+    log.info("gradsync: NCCL %s from %s (%s)", _dotted(library.version), library.path, library.source)
+    return library
 
 
 def nccl_built() -> bool:

@@ -75,7 +75,9 @@ def _output(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
     source = adapter.host_view(tensor)
     if in_place:
         if not source.flags.writeable:
-            raise ValueError(f"{where}: in-place operation on a read-only array")
+            raise ValueError(f"{where}: in-place operation on a read-only array; use the op without "
+                             "the trailing underscore (allreduce, broadcast, ...), which returns a new "
+                             "array (for jax arrays, which are immutable: gradsync.jax.allreduce, ...)")
         return source, source, tensor
     result = adapter.empty(tensor, shape)
     return source, adapter.host_view(result), result

@@ -1,4 +1,4 @@
-"""The process's gradsync runtime: init/shutdown, rank and topology, launcher detection.
+"""The process's gradsync runtime: init/shutdown, rank and topology.
 
 ``init()`` creates the one :class:`Runtime` object that holds every piece of process state (the
 coordinator thread, its communicator, the configuration); ``shutdown()`` tears it down. No other
@@ -11,11 +11,10 @@ import atexit
 import dataclasses
 import logging
 import os
-import shutil
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import launch
 from .config import Config
 from .errors import GradsyncError, NotInitializedError
 
@@ -24,89 +23,6 @@ if TYPE_CHECKING:  # imported by init() only: they import mpi4py.MPI, which init
     from .coordinator import Coordinator
 
 log = logging.getLogger("gradsync")
-
-
-@dataclasses.dataclass(frozen=True)
-class Launcher:
-    """The launcher found in the environment and the number of processes it says it started.
-
-    ``kind`` is ``"mpiexec"`` (mpirun/mpiexec of some MPI), ``"srun"`` (a SLURM job step) or
-    ``"none"`` (a plain process); ``name`` says which launcher in words.
-    """
-
-    name: str
-    expected_size: int | None
-    kind: str = "none"
-
-
-def _int_or_none(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
-    """Which launcher started this process, from its environment variables.
-
-    Recognises Open MPI's ``mpirun`` (OMPI_COMM_WORLD_SIZE), Hydra's ``mpiexec`` (MPICH, Intel
-    MPI: PMI_SIZE with MPI_LOCALNRANKS), and SLURM ``srun`` job steps (SLURM_STEP_NUM_TASKS) with
-    the PMI plugin it used (pmi2: PMI_SIZE, pmix: PMIX_RANK, or none). A SLURM batch script
-    itself (SLURM_NTASKS without a job step) counts as a plain process: only srun starts tasks.
-    Returns ``Launcher("none", None)`` for a plain process.
-    """
-    env = os.environ if environ is None else environ
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        return Launcher("Open MPI mpirun/mpiexec", _int_or_none(env["OMPI_COMM_WORLD_SIZE"]),
-                        "mpiexec")
-    in_srun_step = "SLURM_STEP_NUM_TASKS" in env
-    if "PMI_SIZE" in env:
-        # Hydra also runs under SLURM (its proxies are srun tasks); it sets MPI_LOCALNRANKS, srun not.
-        if in_srun_step and "MPI_LOCALNRANKS" not in env:
-            return Launcher("srun --mpi=pmi2", _int_or_none(env["PMI_SIZE"]), "srun")
-        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", _int_or_none(env["PMI_SIZE"]), "mpiexec")
-    if in_srun_step:
-        plugin = "--mpi=pmix" if "PMIX_RANK" in env else "without a PMI plugin (--mpi=none)"
-        return Launcher(f"srun {plugin}", _int_or_none(env["SLURM_STEP_NUM_TASKS"]), "srun")
-    return Launcher("none", None)
-
-
-def launcher_mismatch(launcher: Launcher, world_size: int,
-                      vendor: tuple[str, tuple[int, ...]]) -> str | None:
-    """The error message when the launcher started several processes but MPI sees a world of 1.
-
-    That happens when the launcher and the MPI library do not speak the same process-management
-    interface (Open MPI under ``srun --mpi=pmi2``, any MPI under ``srun --mpi=none``, one MPI's
-    mpiexec starting a program linked to another): every process initialises MPI alone and would
-    train alone. ``vendor`` is ``MPI.get_vendor()``, e.g. ``("Open MPI", (5, 0, 11))``. Returns None
-    when there is no such mismatch.
-    """
-    expected = launcher.expected_size
-    if expected is None or expected <= 1 or world_size != 1:
-        return None
-    name, version = vendor
-    problem = (f"gradsync: {launcher.name} started {expected} processes, but MPI "
-               f"({name} {'.'.join(map(str, version))}) sees a world of 1 in each: every process "
-               "would train alone. ")
-    if launcher.kind == "srun":
-        plugin, others = (("pmix", "MPICH and Intel MPI use --mpi=pmi2") if name == "Open MPI"
-                          else ("pmi2", "Open MPI uses --mpi=pmix"))
-        return problem + (f"Start it with `srun --mpi={plugin}`, the plugin for {name} ({others}; "
-                          "`srun --mpi=list` lists this SLURM's plugins).")
-    beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    where = f" ({beside})" if beside else ""
-    example = f"{beside or 'mpiexec'} -n {expected} {sys.executable} ..."
-    return problem + (
-        f"The launcher belongs to another MPI: launch with the mpiexec of {name}{where}, "
-        f"e.g. `{example}`.")
-
-
-def _warn_if_batch_script_without_srun(launcher: Launcher, world_size: int) -> None:
-    tasks = _int_or_none(os.environ.get("SLURM_NTASKS", ""))
-    if launcher.kind == "none" and world_size == 1 and tasks is not None and tasks > 1:
-        log.warning("gradsync: SLURM allocated %d tasks (SLURM_NTASKS) but this process was not "
-                    "started by srun, so it trains alone; start it with `srun --mpi=pmix` (Open "
-                    "MPI) or `srun --mpi=pmi2` (MPICH) in the job script", tasks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +47,7 @@ class Runtime:
 
         self.config = config
         self.pid = os.getpid()
-        self.launcher = detect_launcher()
+        self.launcher = launch.detect_launcher()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
         # Topology: the ranks sharing this host's memory, and the ranks of equal local rank.
@@ -293,9 +209,16 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
             without prefix, e.g. ``fusion_threshold=4 << 20`` (bytes), ``cycle_time=2.0`` (ms);
             see docs/configuration.md.
 
+    Rank 0 logs one line: the number of ranks and hosts, the MPI library and the launcher; at
+    WARNING level for one rank started without a launcher (it trains alone), at INFO otherwise, on
+    the ``gradsync.launch`` logger, which shows INFO by default (docs/launching.md).
+
     Raises:
         TypeError: an unknown setting.
         ValueError: a setting that does not parse.
+        LaunchError: the launcher and the MPI library mpi4py loads cannot work together, found
+            before ``MPI_Init`` (see :func:`gradsync.launch.diagnose`; the message names both and
+            the fix).
         GradsyncError: MPI does not provide MPI_THREAD_MULTIPLE, or the launcher started N
             processes but MPI sees a world of 1 (a launcher/MPI mismatch; the message says the fix).
     """
@@ -304,27 +227,27 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
         return
     config = Config.resolve(settings)
     _configure_logging(config.log_level)
-    from mpi4py import MPI
-
+    MPI = launch.start_mpi()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise GradsyncError(
             "gradsync needs MPI_THREAD_MULTIPLE (its coordinator thread calls MPI while your code "
             f"may too), but MPI was initialised with thread level {MPI.Query_thread()}; do not set "
             "mpi4py.rc.thread_level, or initialise MPI with MPI_THREAD_MULTIPLE")
     world = MPI.COMM_WORLD if comm is None else comm
-    launcher = detect_launcher()
+    launcher, library = launch.detect_launcher(), launch.mpi_library(MPI)
     if comm is None:
-        mismatch = launcher_mismatch(launcher, world.Get_size(), MPI.get_vendor())
+        mismatch = launch.launcher_mismatch(launcher, world.Get_size(), library)
         if mismatch:
             raise GradsyncError(mismatch)
-        _warn_if_batch_script_without_srun(launcher, world.Get_size())
+        launch.warn_if_batch_script_without_srun(launcher, world.Get_size())
     _runtime = Runtime(config, world)
     atexit.unregister(shutdown)
     atexit.register(shutdown)
     for process_set in process_sets or ():
         _runtime.add_process_set(process_set)
-    log.debug("gradsync: rank %d of %d initialised (%s)", _runtime.rank, _runtime.size,
-              launcher.name)
+    if _runtime.rank == 0:  # rank 0 has local rank 0: its cross communicator has one rank per host
+        level, line = launch.launch_line(_runtime.size, _runtime.cross_size, library, launcher)
+        logging.getLogger("gradsync.launch").log(level, "%s", line)
 
 
 class _RankFilter(logging.Filter):
@@ -337,9 +260,13 @@ class _RankFilter(logging.Filter):
 
 def _configure_logging(level: str) -> None:
     """Set the gradsync logger's level; give it a stderr handler with the rank if nobody configured
-    logging (otherwise INFO and DEBUG messages would go nowhere)."""
+    logging (otherwise INFO and DEBUG messages would go nowhere). The ``gradsync.launch`` logger (the
+    start-up line) shows INFO too unless the level is above WARNING."""
     logger = logging.getLogger("gradsync")
     logger.setLevel(level.upper())
+    threshold = logger.level
+    logging.getLogger("gradsync.launch").setLevel(
+        threshold if threshold > logging.WARNING else min(threshold, logging.INFO))
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.addFilter(_RankFilter())

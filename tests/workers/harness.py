@@ -57,6 +57,6 @@ def run_numpy_or_torch_checks(namespace: dict) -> int:
 
 
 def check_torch_was_not_imported() -> None:
-    """Fails when torch, or any of its submodules, is in ``sys.modules``."""
-    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
-    assert not loaded, f"the numpy checks imported torch: {loaded[:5]}"
+    """Fails when torch or jax, or any of their submodules, is in ``sys.modules``."""
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib"))
+    assert not loaded, f"the numpy checks imported a framework: {loaded[:5]}"

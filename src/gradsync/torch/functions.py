@@ -89,6 +89,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
     With ``process_set``, only its members take part.
 
+    The root's state is copied to host memory before it is pickled, so GPU state never travels as
+    CUDA tensors (which would unpickle onto the root's GPU index on every rank, or fail where a
+    rank sees one GPU only); ``load_state_dict`` then moves each value to the device (and dtype)
+    of this rank's own parameter, as torch does for any loaded state.
+
     Raises:
         ValueError: ``root_rank`` out of range (not a member of ``process_set``), or the optimizers'
             parameter groups differ in shape.
@@ -99,7 +104,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                          f"{root_rank!r} is not a rank of {process_set}")
     if not optimizer.state:
         _zero_missing_gradients(optimizer, model)
-    state: Any = optimizer.state_dict() if rt.rank == root_rank else None
+    state: Any = _on_host(optimizer.state_dict()) if rt.rank == root_rank else None
     state = ops.broadcast_object(state, root_rank, name="broadcast_optimizer_state",
                                  process_set=process_set)
     if rt.rank != root_rank:
@@ -119,3 +124,15 @@ def _zero_missing_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
                 if isinstance(optimizer, torch.optim.SparseAdam) or (
                         isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
                     p.grad = p.grad.to_sparse()
+
+
+def _on_host(value: Any) -> Any:
+    """``value`` with every tensor outside host memory replaced by a host copy, walking dicts,
+    lists and tuples (the containers of a state_dict); the rest is returned as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_on_host(item) for item in value)
+    return value

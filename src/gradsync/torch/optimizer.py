@@ -1,63 +1,78 @@
-"""DistributedOptimizer: allreduce gradients while backward runs, step once they are averaged."""
+"""DistributedOptimizer: allreduce gradients while backward runs; averaged when backward returns.
+
+The optimizer works in *periods*: from one ``step()``, ``zero_grad()`` or closure evaluation to the
+next. In each period every rank reduces every parameter exactly once (a round,
+:class:`gradsync.torch.gradients.GradientReducer`), whether a gradient hook starts its allreduce
+during backward or :meth:`synchronize` starts it (with zeros where this rank has no gradient), so
+the collectives a rank submits never depend on its data. Where a round ends is decided in program
+order only; docs/architecture.md, "Rank-invariant collectives", lists every decision point.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .. import ops, runtime
 from ..compression import Compression, Compressor
-from ..fusion import split_rows
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
+from .gradients import GradientReducer, Reduction
 
 log = logging.getLogger("gradsync")
+
+
+class _Period(enum.Enum):
+    """Where this period's gradients stand."""
+
+    OPEN = "open"            # backward passes add gradients; hooks may have started allreduces
+    AVERAGED = "averaged"    # the round finished: every gradient holds the average
+    DISCARDED = "discarded"  # averaged, then zero_grad(): nothing left to reduce until a new gradient
 
 
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
-    def _gradsync_setup(self, named_parameters, backward_passes_per_step: int, op: ReduceOp,
-                        gradient_predivide_factor: float, sparse_as_dense: bool,
-                        compression: Compressor, process_set: ProcessSet,
-                        groups: int | list = 0) -> None:
+    def _gradsync_setup(self, named_parameters, backward_passes_per_step: int,
+                        reduction: Reduction, groups: int | list,
+                        synchronize_in_backward: bool) -> None:
         self._gs_rank = runtime.get().rank
-        self._gs_process_set = process_set
+        self._gs_process_set = process_set = reduction.process_set
         self._gs_size = process_set.size()
-        self._gs_compression = compression
-        self._gs_sparse_as_dense = sparse_as_dense
-        self._gs_op = op
+        self._gs_op = reduction.op
         # Adasum combines the wrapped optimizer's updates (deltas), not the gradients: see step().
-        self._gs_adasum = op == ReduceOp.Adasum
-        self._gs_synchronized = False  # synchronize() called since the last step()
-        self._gs_densified: list[torch.Tensor] = []  # sparse_as_dense: back to sparse after the sum
-        self._gs_prescale = 1.0 / gradient_predivide_factor
-        self._gs_postscale = gradient_predivide_factor
+        self._gs_adasum = reduction.op == ReduceOp.Adasum
+        self._gs_compression = reduction.compression
         self._gs_passes = backward_passes_per_step
-        self._gs_names: dict[torch.Tensor, str] = {}
-        self._gs_counts: dict[torch.Tensor, int] = {}
-        self._gs_handles: dict[torch.Tensor, Callable[[], None]] = {}  # param -> wait for its grad
+        self._gs_in_backward = synchronize_in_backward
+        self._gs_synchronized = False  # the user called synchronize() since the last step()
+        # A rank outside a (registered) process set reduces nothing and steps on its own
+        # gradients, as Horovod's: it has no coordinator, and tracks no parameter.
+        self._gs_member = process_set.process_set_id is None or process_set.included()
+        self._gs_coordinator = runtime.get().coordinator_for(
+            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer"
+        ) if self._gs_member else None
+        self._gs_reducer = GradientReducer(reduction, self._gs_rank)
+        self._gs_names = self._gs_reducer.names  # parameter -> name
         self._gs_hooks = []
         # The hooks hold the optimizer weakly, and go when it goes: a dropped DistributedOptimizer
         # must not keep reducing gradients (nor keep its parameters from a new one).
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
-        # A rank outside a (registered) process set reduces nothing and steps on its own
-        # gradients, as Horovod's: it has no coordinator, and tracks no parameter.
-        member = process_set.process_set_id is None or process_set.included()
-        self._gs_coordinator = runtime.get().coordinator_for(
-            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer") if member else None
-        self._gs_timeline = self._gs_coordinator.timeline if member else None
-        self._gs_joins = self._gs_coordinator.joins if member else 0  # see _gs_check_parameters_agree
+        self._gs_timeline = self._gs_coordinator.timeline if self._gs_member else None
+        # see _gs_check_parameters_agree
+        self._gs_joins = self._gs_coordinator.joins if self._gs_member else 0
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_backward_events = None  # the same on a GPU: timing events on the compute stream
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
@@ -65,9 +80,11 @@ class _DistributedOptimizer:
             self._gs_check_owners(group)
         for group_index, group in enumerate(self.param_groups):
             self._gs_track(group, group_index)
-        self._gs_group_of = _reduction_groups(list(self._gs_names), groups, self._gs_rank)
-        self._gs_group_ready: dict[int, int] = {}  # reduction group -> its parameters submitted
+        self._gs_reducer.cut_into_groups(groups)
         self._gs_parameters_checked = False  # the first step() compares the ranks' parameters
+        self._gs_warned_no_gradient = False
+        self._gs_backward_tasks: set[int] = set()  # backward passes (graph tasks) with our callback
+        self._gs_new_period()
 
     def _gs_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -87,35 +104,92 @@ class _DistributedOptimizer:
                     "also works)")
 
     def _gs_track(self, group: dict, group_index: int) -> None:
-        if self._gs_coordinator is None:  # not a member of the process set
+        if not self._gs_member:
             return
         for index, param in enumerate(group["params"]):
             if not param.requires_grad or param in self._gs_names:
                 continue
-            name = self._gs_given_names.get(param, f"param.{group_index}.{index}")
             param._gradsync_owner = weakref.ref(self)
-            self._gs_names[param] = name
-            self._gs_counts[param] = 0
-            self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_weak_hook))
+            self._gs_reducer.track(param, self._gs_given_names.get(param, f"param.{group_index}.{index}"))
+            if not self._gs_adasum:  # with Adasum gradients accumulate locally; step() reduces
+                self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_weak_hook))
+
+    def _gs_new_period(self) -> None:
+        """Start a period: no backward pass counted, no gradient handed over (program order only:
+        step(), zero_grad(), a closure evaluation, or a new gradient after an averaged period)."""
+        self._gs_period = _Period.OPEN
+        self._gs_counts: dict[torch.Tensor, int] = {}  # parameter -> backward passes through it
+        self._gs_backward_count = 0  # backward passes of this period that reached the callback
 
     def _gs_hook(self, param: torch.Tensor) -> None:
-        if self._gs_adasum:  # gradients accumulate locally; step() reduces the update
-            return
-        name = self._gs_names[param]
-        if param in self._gs_handles:
-            raise RuntimeError(
-                f"gradsync: rank {self._gs_rank}: parameter {name!r} received a gradient after its "
-                f"allreduce had started: more backward passes ran through it before step() than "
-                f"backward_passes_per_step={self._gs_passes}. If you accumulate gradients, raise "
-                "backward_passes_per_step to the number of backward passes per step. If another loss "
-                "flows back through this module (a GAN generator's loss through the discriminator), "
-                "stop it from producing gradients there: param.requires_grad_(False) on this module's "
-                "parameters during that backward, or detach its input.")
+        """A gradient of ``param`` was accumulated: count it; on the backward_passes_per_step-th,
+        start its allreduce; queue the end-of-backward callback once per backward pass."""
+        if self._gs_period is not _Period.OPEN:
+            self._gs_reopen(param)
+        if self._gs_reducer.handed(param):
+            raise RuntimeError(self._gs_late_gradient(param, "after its allreduce had started"))
         if self._gs_timeline is not None:
             self._gs_mark_backward(param)
-        self._gs_counts[param] += 1
-        if self._gs_counts[param] == self._gs_passes:
-            self._gs_submit(param)
+        if self._gs_in_backward:
+            self._gs_queue_end_of_backward()
+        count = self._gs_counts[param] = self._gs_counts.get(param, 0) + 1
+        if count == self._gs_passes:
+            self._gs_reducer.hand_over(param)
+
+    def _gs_reopen(self, param: torch.Tensor) -> None:
+        """A gradient arrived after the period's round finished. After zero_grad(), or when the
+        user dropped the averaged gradient (``model.zero_grad()``, ``p.grad = None``), this is a
+        new period; on top of the averaged gradient it would start a second round on the ranks
+        with gradients only, so it is refused."""
+        if self._gs_period is _Period.AVERAGED and self._gs_reducer.averaged_by_last_round(param):
+            raise RuntimeError(self._gs_late_gradient(param, "after this step's gradients were "
+                                                             "averaged"))
+        self._gs_new_period()
+
+    def _gs_late_gradient(self, param: torch.Tensor, when: str) -> str:
+        return (
+            f"gradsync: rank {self._gs_rank}: parameter {self._gs_names[param]!r} received a gradient "
+            f"{when}: a backward() ran after synchronize() or after the step's last backward "
+            f"pass (backward_passes_per_step={self._gs_passes}) without step() or zero_grad() "
+            "between. Call optimizer.step() or optimizer.zero_grad() first. If you accumulate "
+            "gradients, raise backward_passes_per_step to the number of backward passes per step. "
+            "If another loss flows back through this module (a GAN generator's loss through the "
+            "discriminator), stop it from producing gradients there: param.requires_grad_(False) "
+            "on this module's parameters during that backward, or detach its input.")
+
+    def _gs_queue_end_of_backward(self) -> None:
+        """From the first gradient hook of a backward pass: run _gs_end_of_backward when the
+        autograd engine finishes that pass (DDP queues its bucket wait the same way)."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._gs_backward_tasks:
+            self._gs_backward_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self._gs_end_of_backward)
+
+    def _gs_end_of_backward(self) -> None:
+        """Count this backward pass; on the step's last one, wait for the period's allreduces, so
+        that backward() returns averaged gradients (on a GPU: the caller's stream waits)."""
+        self._gs_backward_tasks.discard(torch._C._current_graph_task_id())
+        outer = torch._C._current_autograd_node()
+        if outer is not None:  # this pass ran inside a node of another one (reentrant checkpoint)
+            self._gs_resume_after(outer)
+            return
+        self._gs_backward_count += 1
+        if self._gs_period is _Period.OPEN and self._gs_backward_count >= self._gs_passes:
+            self._gs_synchronize()
+
+    def _gs_resume_after(self, outer) -> None:
+        """Queue the end-of-backward callback on the enclosing backward pass instead, from a
+        pre-hook on the nodes that pass runs after ``outer`` (one of them always runs: gradients
+        flow through a checkpoint only towards inputs that require them)."""
+        handles = []
+
+        def resume(grad_outputs):
+            for handle in handles:
+                handle.remove()
+            self._gs_queue_end_of_backward()
+
+        handles += [node.register_prehook(resume) for node, _ in outer.next_functions
+                    if node is not None]
 
     def _gs_mark_backward(self, param: torch.Tensor) -> None:
         """Timeline: the first and latest gradient of this step. On a GPU the host runs ahead of
@@ -140,108 +214,56 @@ class _DistributedOptimizer:
             self._gs_coordinator.device.gpu_span(DEVICE, device, "backward", "BACKWARD", first, last)
             self._gs_backward_events = None
 
-    def _gs_submit(self, param: torch.Tensor) -> None:
-        name = f"grad.{self._gs_names[param]}"
-        if param.grad.layout != torch.strided:
-            if not self._gs_sparse_as_dense:
-                self._gs_handles[param] = self._gs_sparse_allgather(param, name)
-                if param in self._gs_group_of:  # reduced apart, but its group waits for it too
-                    self._gs_handles[param] = functools.partial(
-                        _call_all, [self._gs_handles[param], self._gs_group_submit(param)])
-                return
-            param.grad = param.grad.to_dense()
-            self._gs_densified.append(param)  # the wrapped optimizer gets it sparse again
-        if param in self._gs_group_of:
-            self._gs_handles[param] = self._gs_group_submit(param)
-            return
-        compressed, context = self._gs_compression.compress(param.grad)
-        handle = ops.allreduce_async_(compressed, name=name, op=self._gs_op,
-                                      prescale_factor=self._gs_prescale,
-                                      postscale_factor=self._gs_postscale,
-                                      process_set=self._gs_process_set)
-        if compressed is param.grad:
-            self._gs_handles[param] = functools.partial(ops.synchronize, handle)
-            return
-
-        def finish() -> None:  # decompress after the allreduce, into the gradient itself
-            param.grad.copy_(self._gs_compression.decompress(ops.synchronize(handle), context))
-
-        self._gs_handles[param] = finish
-
-    def _gs_group_submit(self, param: torch.Tensor) -> Callable[[], None]:
-        """Count ``param`` ready in its reduction group; when it is the group's last, start one
-        grouped allreduce per gradient dtype and return the wait for them (else a no-op)."""
-        index, members = self._gs_group_of[param]
-        ready = self._gs_group_ready[index] = self._gs_group_ready.get(index, 0) + 1
-        if ready < len(members):
-            return _nothing
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        decompress = []  # (gradient, what travelled, context) of the compressed members
-        for member in members:  # sparse gradients went their own way (allgather)
-            if member.grad.layout == torch.strided:
-                compressed, context = self._gs_compression.compress(member.grad)
-                by_dtype.setdefault(compressed.dtype, []).append(compressed)
-                if compressed is not member.grad:
-                    decompress.append((member.grad, compressed, context))
-        handles = [ops.grouped_allreduce_async_(grads, name=f"grad.group.{index}.{dtype}",
-                                                op=self._gs_op, prescale_factor=self._gs_prescale,
-                                                postscale_factor=self._gs_postscale,
-                                                process_set=self._gs_process_set)
-                   for dtype, grads in by_dtype.items()]
-
-        def finish() -> None:
-            _call_all([functools.partial(ops.synchronize, h) for h in handles])
-            for grad, compressed, context in decompress:
-                grad.copy_(self._gs_compression.decompress(compressed, context))
-
-        return finish
-
-    def _gs_sparse_allgather(self, param: torch.Tensor, name: str) -> Callable[[], None]:
-        """Start the allgather of a sparse gradient's indices and values; the returned function
-        waits and sets param.grad to their coalesced sum over ranks (divided by size for Average)."""
-        from .mpi_ops import sparse_allreduce_async
-
-        wait = sparse_allreduce_async(param.grad.coalesce(), name, self._gs_op, self._gs_process_set)
-
-        def finish() -> None:
-            param.grad = wait().coalesce()
-
-        return finish
-
     def synchronize(self) -> None:
-        """Wait until every gradient of this step is reduced, without stepping.
+        """Wait until every gradient of this period is averaged across the ranks, without stepping.
 
-        Parameters that received no gradient on this rank in a step where others did (an unused
-        branch) are reduced with zeros, so no rank waits for them. Does nothing if no backward ran
-        since the last step, so stale gradients are never reduced twice.
-
-        With ``op=Adasum`` it does nothing: the update is reduced by :meth:`step` (as Horovod's).
+        Starts the allreduce of every parameter whose gradient hook has not (zeros for one
+        without a gradient on this rank, its current gradient otherwise), then waits for them all.
+        Free when the period is averaged already: after the backward pass that completed the
+        step's gradients (with ``synchronize_in_backward=True``, the default), after an earlier
+        synchronize(), or after zero_grad() following one. On a GPU it makes the current stream
+        wait; the host does not block. Same semantics as Horovod's
+        ``DistributedOptimizer.synchronize()``, except that a second call reduces nothing twice;
+        a ``step()`` after it outside :meth:`skip_synchronize` gets Horovod's warning. With
+        ``op=Adasum``, and on a rank outside the optimizer's process set, it does nothing (as
+        Horovod's): step() reduces the update.
 
         Raises:
-            CollectiveError, ShutdownError: a gradient's allreduce failed (message names it).
+            RuntimeError: a gradient was changed in place, or ``p.grad`` replaced, while its
+                allreduce was in flight (names the parameter).
+            CollectiveError, ShutdownError, RankFailureError: a gradient's collective failed.
         """
         self._gs_synchronized = True
-        if self._gs_adasum or (not self._gs_handles and not any(self._gs_counts.values())):
+        self._gs_synchronize()
+
+    def _gs_synchronize(self) -> None:
+        """End this period's round (see :meth:`synchronize`), unless it has ended."""
+        if self._gs_period is not _Period.OPEN or self._gs_adasum or not self._gs_member:
             return
-        for param in self._gs_names:
-            if param not in self._gs_handles:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                self._gs_submit(param)
-        waits, self._gs_handles = self._gs_handles, {}
-        self._gs_counts = dict.fromkeys(self._gs_counts, 0)
-        self._gs_group_ready = {}
+        self._gs_period = _Period.AVERAGED
+        self._gs_warn_once_without_gradients()
         self._gs_write_backward()
-        for wait in waits.values():
-            wait()
-        for param in self._gs_densified:
-            param.grad = param.grad.to_sparse()
-        self._gs_densified = []
+        self._gs_reducer.finish_round()
+
+    def _gs_warn_once_without_gradients(self) -> None:
+        if (self._gs_warned_no_gradient or self._gs_size == 1
+                or any(p.grad is not None for p in self._gs_names)):
+            return
+        self._gs_warned_no_gradient = True
+        log.warning(
+            "gradsync: rank %d: no backward pass since the last step produced a gradient for any of "
+            "this optimizer's %d parameters on this rank, so it contributes zeros now, and the "
+            "ranks with gradients waited for it at the end of their backward. If code between "
+            "backward() and step() reads or changes gradients (clipping, logging, GradScaler), call "
+            "optimizer.synchronize() right after backward() on every rank, so that this rank sees "
+            "the averaged gradients there too. (Logged once.)", self._gs_rank, len(self._gs_names))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Within this block ``step()`` does not synchronize; use it after an explicit
-        ``synchronize()``, e.g. to clip the reduced gradients before stepping::
+        """Within this block ``step()`` does not synchronize. Gradients are averaged when backward()
+        returns (by default), and step() after synchronize() reduces nothing again, so this is
+        only needed with ``synchronize_in_backward=False``, after an explicit ``synchronize()``
+        (Horovod's pattern)::
 
             loss.backward()
             optimizer.synchronize()
@@ -251,6 +273,8 @@ class _DistributedOptimizer:
 
         Raises:
             AssertionError: with ``op=Adasum``, whose step() reduces the update itself (Horovod's).
+            RuntimeError (from step()): gradients are still in flight (no synchronize() before the
+                block).
         """
         if self._gs_adasum:
             raise AssertionError("gradsync: skip_synchronize() has no meaning with op=Adasum: step() "
@@ -261,56 +285,114 @@ class _DistributedOptimizer:
         finally:
             self._gs_skip = False
 
-    def step(self, closure=None):
-        """Wait for this step's gradient allreduces (unless inside skip_synchronize), then step.
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        """Average this period's gradients (unless inside skip_synchronize), then step.
+
+        With ``closure`` (LBFGS, or any optimizer's ``step(closure)``) every evaluation of the
+        closure starts a period and ends with :meth:`synchronize`, so the optimizer reads averaged
+        gradients, and the closure's returned loss is averaged across the ranks too (reduced like
+        the gradients: ``op``), so that an optimizer that compares losses (LBFGS's line search and
+        stopping tests) takes the same decisions, and calls the closure as often, on every rank.
 
         The first call also checks that the ranks hold the same parameters (one small allreduce);
-        see :meth:`_gs_check_parameters_agree`. A ``synchronize()`` since the last step without
-        ``skip_synchronize()`` around this one gets Horovod's warning (gradsync does not reduce
-        twice). With ``op=Adasum``: see :meth:`_gs_adasum_step`.
+        see :meth:`_gs_check_parameters_agree`. After an explicit ``synchronize()``, a step()
+        outside ``skip_synchronize()`` gets Horovod's warning (gradsync reduces nothing twice).
+        With ``op=Adasum``: see :meth:`_gs_adasum_step`. On a rank outside the optimizer's process
+        set: the wrapped optimizer's step on this rank's own gradients (Horovod's).
+
+        Raises:
+            RuntimeError: step() inside skip_synchronize(), or step(closure), while this rank's
+                gradients are still being allreduced; see also :meth:`synchronize`.
         """
-        if not self._gs_skip:
-            if self._gs_synchronized and not self._gs_adasum:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
-                              "after optimizer.synchronize(): gradsync does not reduce the gradients "
-                              "again, but wrap step() in `with optimizer.skip_synchronize():` to say "
-                              "that you meant it", stacklevel=2)
-            self.synchronize()
+        if not self._gs_member:
+            return super().step(closure)
+        if self._gs_synchronized and not self._gs_skip:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                          "after optimizer.synchronize(): gradsync does not reduce the gradients "
+                          "again, but wrap step() in `with optimizer.skip_synchronize():` to say "
+                          "that you meant it", stacklevel=2)
         self._gs_synchronized = False
+        if self._gs_adasum:
+            return self._gs_adasum_step(closure)
+        if closure is not None:
+            self._gs_refuse_in_flight("optimizer.step(closure) was called")
+            closure = functools.partial(self._gs_evaluate, closure)
+        elif self._gs_skip:
+            self._gs_refuse_in_flight("optimizer.step() was called inside skip_synchronize()")
+        else:
+            self._gs_synchronize()
+        self._gs_check_parameters_once()
+        result = super().step(closure)
+        self._gs_new_period()
+        return result
+
+    def _gs_check_parameters_once(self) -> None:
         if not self._gs_parameters_checked:
             self._gs_parameters_checked = True
             self._gs_check_parameters_agree()
-        if self._gs_adasum:
-            return self._gs_adasum_step(closure)
-        return super().step(closure)
 
     def _gs_adasum_step(self, closure):
         """Horovod's Adasum optimizer: the wrapped optimizer steps on this rank's own (locally
-        accumulated) gradients, the update of every parameter (its change, learning rate and
-        momentum included) is combined across ranks by Adasum, and every rank applies the combined
-        update to its parameters as they were before the step. One grouped Adasum allreduce per
-        dtype (after ``compression``), on host memory (CUDA tensors are staged)."""
+        accumulated) gradients, and closure losses stay this rank's own; the update of every
+        parameter (its change, learning rate and momentum included) is combined across ranks by
+        Adasum, and every rank applies the combined update to its parameters as they were before
+        the step. One grouped Adasum allreduce per dtype (after ``compression``), on host memory
+        (CUDA tensors are staged); every rank submits them whatever its gradients (a parameter
+        without one has a zero update)."""
         from .mpi_ops import grouped_allreduce_async_
 
+        self._gs_check_parameters_once()
         params = list(self._gs_names)
         with torch.no_grad():
             start = [p.detach().clone() for p in params]
         loss = super().step(closure)
-        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]]] = {}
+        by_dtype: dict[torch.dtype, list[_AdasumUpdate]] = {}
         with torch.no_grad():
             for param, before in zip(params, start):
                 param.sub_(before)  # the update, reduced in the parameter's own memory
                 compressed, context = self._gs_compression.compress(param.detach())
-                by_dtype.setdefault(compressed.dtype, []).append((param, compressed, context, before))
-            handles = [grouped_allreduce_async_([m[1] for m in members], op=ReduceOp.Adasum,
-                                                name=f"adasum.{self._gs_names[params[0]]}.{dtype}",
+                by_dtype.setdefault(compressed.dtype, []).append(
+                    _AdasumUpdate(param, compressed, context, before))
+            handles = [grouped_allreduce_async_([u.compressed for u in updates], op=ReduceOp.Adasum,
+                                                name=f"adasum.{self._gs_reducer.first_name()}.{dtype}",
                                                 process_set=self._gs_process_set)
-                       for dtype, members in by_dtype.items()]
+                       for dtype, updates in by_dtype.items()]
             for handle in handles:
                 ops.synchronize(handle)
-            for param, compressed, context, before in (m for g in by_dtype.values() for m in g):
-                param.copy_(before + self._gs_compression.decompress(compressed, context))
+            for update in (u for updates in by_dtype.values() for u in updates):
+                update.param.copy_(update.before + self._gs_compression.decompress(
+                    update.compressed, update.context))
+        self._gs_new_period()
         return loss
+
+    def _gs_evaluate(self, closure: Callable[[], torch.Tensor]):
+        """One closure evaluation: a period of its own, averaged, with the loss averaged."""
+        self._gs_new_period()  # every rank ended the previous evaluation with a synchronize()
+        loss = closure()
+        self._gs_synchronize()
+        return self._gs_average_loss(loss)
+
+    def _gs_average_loss(self, loss):
+        """``loss`` reduced across the ranks in float64, returned as a tensor like ``loss`` (its
+        shape, dtype and device) or as a float; every rank gets the same bits. None stays None."""
+        value = torch.full((1,), float("nan"), dtype=torch.float64) if loss is None else (
+            torch.as_tensor(loss).detach().to("cpu", torch.float64).reshape(-1))
+        name = f"gradsync.closure_loss.{self._gs_reducer.first_name()}"
+        reduced = ops.allreduce(value, name=name, op=self._gs_op, process_set=self._gs_process_set)
+        if loss is None:
+            return None
+        if isinstance(loss, torch.Tensor):
+            return reduced.reshape(loss.shape).to(loss.device, loss.dtype)
+        return reduced.item()
+
+    def _gs_refuse_in_flight(self, what: str) -> None:
+        names = self._gs_reducer.in_flight()
+        if self._gs_period is _Period.OPEN and names:
+            raise RuntimeError(
+                f"gradsync: rank {self._gs_rank}: {what} while the gradients of {len(names)} "
+                f"parameter(s) (e.g. {names[0]!r}) are still being allreduced in the background "
+                "(synchronize_in_backward=False, or a backward() that failed). Call "
+                "optimizer.synchronize() first.")
 
     def _gs_check_parameters_agree(self) -> None:
         """Warn, from the process set's first rank, when the ranks' parameters differ before the
@@ -355,20 +437,19 @@ class _DistributedOptimizer:
                 self._gs_rank, len(differ), n, ", ".join(map(repr, differ[:3])), where, where)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients, refusing while their allreduces are still in flight.
+        """Zero the gradients (torch semantics) and start a new period.
 
-        Raises:
-            RuntimeError: called between backward() and step(): the background allreduce writes
-                into the gradients it would zero.
+        After averaged gradients this discards them, as in one process; step() then reduces
+        nothing. Gradients still in flight (``synchronize_in_backward=False``) are first
+        synchronized, so that every rank finishes the same round.
         """
-        if self._gs_handles:
-            names = sorted(self._gs_names[p] for p in self._gs_handles)
-            raise RuntimeError(
-                f"gradsync: rank {self._gs_rank}: optimizer.zero_grad() was called after backward() "
-                f"but before step(): the gradients of {len(names)} parameter(s) (e.g. {names[0]!r}) "
-                "are still being allreduced in the background, and zeroing them now races with that. "
-                "Call optimizer.step() or optimizer.synchronize() first.")
+        if self._gs_period is _Period.OPEN and self._gs_reducer.in_flight():
+            self._gs_synchronize()
         super().zero_grad(set_to_none=set_to_none)
+        if self._gs_period is _Period.OPEN:
+            self._gs_new_period()  # the passes counted so far are gone
+        else:
+            self._gs_period = _Period.DISCARDED
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (torch semantics); its parameters are reduced like the others."""
@@ -396,20 +477,27 @@ class _DistributedOptimizer:
         if int(passes) < 1:
             raise ValueError(f"gradsync: rank {self._gs_rank}: backward_passes_per_step must be >= 1, "
                              f"got {passes}")
-        if self._gs_handles:
+        if self._gs_reducer.in_flight():
             raise RuntimeError(f"gradsync: rank {self._gs_rank}: set_backward_passes_per_step() while "
                                "gradients are being reduced; call step() or synchronize() first")
         self._gs_passes = int(passes)
-        self._gs_counts = dict.fromkeys(self._gs_counts, 0)
+        self._gs_counts = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load optimizer state (torch semantics) after finishing any allreduce in flight."""
-        for wait in self._gs_handles.values():
-            wait()
-        self._gs_handles = {}
-        self._gs_counts = dict.fromkeys(self._gs_counts, 0)
-        self._gs_group_ready = {}
+        """Load optimizer state (torch semantics), after finishing a round still in flight."""
+        if self._gs_period is _Period.OPEN and self._gs_reducer.in_flight():
+            self._gs_synchronize()
         super().load_state_dict(state_dict)
+
+
+@dataclass(frozen=True)
+class _AdasumUpdate:
+    """One parameter's update in an Adasum step: reduced in ``compressed``, added to ``before``."""
+
+    param: torch.Tensor
+    compressed: torch.Tensor
+    context: object
+    before: torch.Tensor
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -428,48 +516,6 @@ def _weak_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
         if optimizer is not None:
             optimizer._gs_hook(param)
     return hook
-
-
-def _reduction_groups(params: list[torch.Tensor], groups: int | list, rank: int) -> dict:
-    """param -> (group index, the group's parameters).
-
-    ``groups`` is an int N: ``params`` in order, cut into N contiguous groups as evenly as possible
-    (the first ones one parameter larger; 0: no groups); or a list of lists of parameters: each list
-    a group, in its order, without the parameters that are not in ``params`` (no ``requires_grad``).
-    Parameters in no group are reduced on their own, as Horovod's singleton groups.
-    """
-    if isinstance(groups, int):
-        bounds = np.cumsum([0, *split_rows(len(params), groups)]) if groups else [0]
-        chunks = [params[a:b] for a, b in zip(bounds, bounds[1:])]
-    else:
-        _check_groups(groups, rank)
-        tracked = {id(p) for p in params}
-        chunks = [[p for p in group if id(p) in tracked] for group in groups]
-    return {param: (index, tuple(members))
-            for index, members in enumerate(chunks) for param in members}
-
-
-def _check_groups(groups: list, rank: int) -> None:
-    """``groups=`` as a list: lists of the optimizer's parameters, each in one group at most."""
-    seen: set[int] = set()
-    for index, group in enumerate(groups):
-        if not isinstance(group, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in group):
-            raise ValueError(f"gradsync: rank {rank}: groups[{index}] must be a list of parameters "
-                             f"(torch.Tensor), got {type(group).__qualname__}")
-        for p in group:
-            if id(p) in seen:
-                raise ValueError(f"gradsync: rank {rank}: a parameter of shape {tuple(p.shape)} is in "
-                                 "groups twice; a parameter may appear in one group only")
-            seen.add(id(p))
-
-
-def _nothing() -> None:
-    """The wait of a parameter whose group is reduced (and waited for) through its last one."""
-
-
-def _call_all(waits: list[Callable[[], None]]) -> None:
-    for wait in waits:
-        wait()
 
 
 def _remove_hooks(hooks: list) -> None:
@@ -511,15 +557,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: int | list[list[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         synchronize_in_backward: bool = True) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
     in-place allreduce of its gradient as soon as backward has produced it, so communication
-    overlaps the rest of backward. ``step()`` waits for this step's allreduces, then runs the
-    wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks compute the
-    same update as one process on the N-times larger batch (same semantics, and the same argument
-    order, as Horovod's ``hvd.DistributedOptimizer``).
+    overlaps the rest of backward. The backward pass that completes a step's gradients waits for
+    them before it returns (as DDP does), so code between ``backward()`` and ``step()`` (gradient
+    clipping, norm logging, ``GradScaler.unscale_``) sees the averaged gradients; ``step()`` then
+    runs the wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks
+    compute the same update as one process on the N-times larger batch (same semantics, and the
+    same argument order, as Horovod's ``hvd.DistributedOptimizer``; ``synchronize_in_backward``
+    is gradsync's own, after Horovod's arguments).
+
+    Every rank reduces every parameter once per step whatever its data: a rank whose backward
+    produced no gradient for a parameter (an unused branch, a loss not connected to the
+    parameters) contributes zeros at ``step()`` (or ``synchronize()``), so no rank waits forever.
+    ``step(closure)`` averages the gradients and the loss of every closure evaluation (LBFGS).
+    docs/getting-started.md, "What you can do after backward()", has the whole contract.
 
     The first ``step()`` also compares the ranks' parameters (one small allreduce) and logs a
     warning naming those that differ: the usual sign of a missing
@@ -543,7 +599,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op: ``Average`` (default) or ``Sum`` of the gradients across ranks, or ``Adasum``: then
             the wrapped optimizer steps on each rank's own gradients and the *updates* are
             combined by Adasum (:meth:`_DistributedOptimizer._gs_adasum_step`; a power-of-two
-            number of ranks), as Horovod's Adasum optimizer.
+            number of ranks), as Horovod's Adasum optimizer; gradients stay this rank's own.
         gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
             by f/size after it (to keep low-precision sums in range).
         num_groups: as ``groups=N`` (Horovod's older name for it).
@@ -556,15 +612,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             buffers, as Horovod's ``groups``. Parameters added later with ``add_param_group`` are
             reduced on their own.
         sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are densified,
-            allreduced like the others, and made sparse again before the wrapped optimizer steps
-            (as Horovod). By default they are reduced by an allgather of their indices and values,
-            and ``param.grad`` becomes the coalesced sparse sum (divided by the number of ranks for
-            Average): cheaper when few rows are touched. A rank on which such a parameter got no
-            gradient in a step contributes dense zeros, which only matches the others with
-            ``sparse_as_dense=True``.
+            allreduced like the others, and made sparse again when the round ends (as Horovod's,
+            so ``SparseAdam`` still gets sparse gradients). By default they are reduced by
+            :func:`gradsync.torch.sparse_allreduce_async` (an allgather of their indices and
+            values), and ``param.grad`` becomes the coalesced sparse sum (divided by the number
+            of ranks for Average): cheaper when few rows are touched. A rank on which such a
+            parameter got no gradient in a step contributes no rows.
         process_set: the ranks among which gradients are averaged (default: every rank); Average
             divides by its size. On a rank outside it the optimizer reduces nothing and steps on
             that rank's own gradients (as Horovod's).
+        synchronize_in_backward: True (default): the step's last backward pass waits for its
+            allreduces before returning (on a GPU, the current stream waits; the host does not).
+            False: Horovod's timing: ``step()`` or ``synchronize()`` waits, and gradients must not
+            be read or changed before (an in-place change or a replaced ``p.grad`` raises there).
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
@@ -578,6 +638,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         NotImplementedError: ``op=Adasum`` on a process set whose size is not a power of two.
         TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
+        RuntimeError: later, from ``backward()``, ``synchronize()`` or ``step()``: a gradient
+            changed in place or ``p.grad`` replaced while its allreduce was in flight; a backward
+            pass after the step's gradients were averaged, without ``step()`` or ``zero_grad()``
+            between. The message names the parameter and the fix.
     """
     if named_parameters is not None:
         named_parameters = list(named_parameters)
@@ -590,9 +654,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     original = type(optimizer)
     optimizer.__class__ = _distributed_class(original)
     try:
-        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), op,
-                                  float(gradient_predivide_factor), bool(sparse_as_dense),
-                                  compression, process_set, groups)
+        reduction = Reduction(op, 1.0 / float(gradient_predivide_factor),
+                              float(gradient_predivide_factor), compression, bool(sparse_as_dense),
+                              process_set)
+        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), reduction,
+                                  groups, bool(synchronize_in_backward))
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise

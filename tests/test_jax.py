@@ -1,0 +1,95 @@
+"""gradsync.jax's host memory handling, in one process: which transfers copy, and the error texts.
+
+The multi-rank behaviour (every collective against numpy, training against one process) is in
+tests/parallel/test_jax.py.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpi_launch import REPO
+
+pytestmark = pytest.mark.jax
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+jnp = jax.numpy
+array = pytest.importorskip("gradsync.jax.array")
+
+from gradsync.arrays import adapter_for  # noqa: E402
+
+
+def test_the_host_view_of_a_cpu_jax_array_is_its_own_buffer_and_read_only():
+    x = jnp.arange(1000, dtype=jnp.float32)
+    view = array.host_view(x)
+    assert view.ctypes.data == x.unsafe_buffer_pointer(), "the input was copied"
+    assert not view.flags.writeable
+
+
+def test_the_host_view_of_a_bfloat16_array_is_not_a_copy_either():
+    x = jnp.ones(64, jnp.bfloat16)
+    view = array.host_view(x)
+    assert view.dtype == jnp.bfloat16 and view.ctypes.data == x.unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (3, 5), (1000,)])
+def test_result_buffers_are_aligned_for_xla(shape):
+    buffer = array.aligned_empty(shape, np.float32)
+    assert buffer.shape == shape and buffer.dtype == np.float32 and buffer.flags.c_contiguous
+    assert buffer.size == 0 or buffer.ctypes.data % array.ALIGNMENT == 0  # no data, no address
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "int16", "int8", "uint8",
+                                   "bool"])
+def test_aligned_results_become_jax_arrays_without_a_copy(dtype):
+    dtype = jnp.dtype(dtype)
+    buffers = [array.aligned_empty(shape, dtype) for shape in [(3, 7), (), (1000,)]]
+    for buffer in buffers:
+        buffer[...] = np.arange(buffer.size).reshape(buffer.shape).astype(dtype)
+    results = array.to_jax(buffers, [None] * len(buffers))
+    for result, buffer in zip(results, buffers):
+        assert result.dtype == dtype
+        assert result.unsafe_buffer_pointer() == buffer.ctypes.data, "the result was copied"
+        np.testing.assert_array_equal(np.asarray(result), buffer)
+
+
+def test_a_result_lands_on_the_device_asked_for():
+    device = jax.devices()[-1]
+    (result,) = array.to_jax([array.aligned_empty((2,), np.float32)], [device])
+    assert result.devices() == {device}
+
+
+def test_the_core_routes_jax_arrays_to_the_jax_adapter():
+    adapter = adapter_for(jnp.ones(2))
+    assert adapter is array.ADAPTER
+    info = adapter.info(jnp.ones((2, 3), jnp.bfloat16))
+    assert (info.dtype, info.shape, info.device) == ("bfloat16", (2, 3), "cpu")
+
+
+def test_the_adapter_refuses_a_traced_value():
+    def probe(x):
+        with pytest.raises(TypeError, match="traced jax value.*inside jax.jit"):
+            array.ADAPTER.info(x)
+        return x
+
+    jax.jit(probe)(jnp.ones(2))
+
+
+def test_importing_gradsync_imports_neither_jax_nor_optax():
+    code = ("import sys, gradsync, gradsync.metrics; "
+            "print(sorted(m for m in ('jax', 'jaxlib', 'optax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=REPO, env={"PYTHONPATH": str(REPO / "src"), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_gradsync_jax_has_no_in_place_ops_and_says_why():
+    import gradsync.jax as gj
+
+    with pytest.raises(AttributeError, match="immutable.*use gradsync.jax.broadcast,"):
+        gj.broadcast_  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        gj.nothing  # noqa: B018
