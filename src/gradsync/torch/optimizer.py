@@ -306,7 +306,7 @@ class _DistributedOptimizer:
         """
         if not self._gs_member:
             return super().step(closure)
-        if self._gs_synchronized and not self._gs_skip:
+        if self._gs_synchronized and not (self._gs_skip or self._gs_adasum):
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
                           "after optimizer.synchronize(): gradsync does not reduce the gradients "
                           "again, but wrap step() in `with optimizer.skip_synchronize():` to say "
