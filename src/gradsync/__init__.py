@@ -66,7 +66,7 @@ from .ops import (
     synchronize,
 )
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .protocol import Average, Max, Min, Product, ReduceOp, Sum
+from .protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     cross_rank,
     cross_size,
@@ -103,7 +103,7 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "grouped_allgather",
     "grouped_allgather_async",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
-    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Handle", "GroupHandle",
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Handle", "GroupHandle",
     "nccl_built", "nccl_version", "Compression", "Compressor",
     "GradsyncError", "NotInitializedError", "LaunchError", "CollectiveError", "ShutdownError",
     "StallError", "RankFailureError",

@@ -2,7 +2,9 @@
 
 Each setting is an environment variable with the ``GRADSYNC_`` prefix and the keyword argument of
 :func:`gradsync.init` of the same name in lower case (without the prefix). Keyword arguments win over
-the environment; the environment wins over the defaults in :data:`SETTINGS`.
+the environment; the environment wins over the defaults in :data:`SETTINGS`. Where Horovod has a
+variable for the same setting (``HOROVOD_FUSION_THRESHOLD``, ...), it is read when the ``GRADSYNC_``
+one is unset, so a Horovod job's environment keeps working (:func:`horovod_value`).
 docs/configuration.md lists the same table.
 """
 
@@ -25,6 +27,7 @@ class Setting:
     default: Any
     unit: str
     help: str
+    horovod: str = ""  # Horovod's variable for the same setting, read when GRADSYNC_<FIELD> is unset
 
     @property
     def env(self) -> str:
@@ -46,12 +49,14 @@ SETTINGS: tuple[Setting, ...] = (
         "fusion_threshold", int, 1 << 20, "bytes",
         "Largest fusion buffer. Ready tensors of the same dtype and op are packed together up to this "
         "size; a tensor larger than it is reduced alone, in place, without a copy. 0 disables fusion.",
+        horovod="HOROVOD_FUSION_THRESHOLD",
     ),
     Setting(
         "cycle_time", float, 1.0, "milliseconds",
         "How long the coordinator waits for more requests before negotiating again while some of its "
         "requests are still waiting for other ranks. A new request always wakes it at once; with no "
         "pending work it sleeps until one arrives.",
+        horovod="HOROVOD_CYCLE_TIME",
     ),
     Setting(
         "shutdown_timeout", float, 30.0, "seconds",
@@ -63,11 +68,13 @@ SETTINGS: tuple[Setting, ...] = (
         "After this long, rank 0 warns about every collective that some ranks submitted and others did "
         "not, listing both groups of ranks. 0 disables the stall inspector (and, unless rank failure "
         "detection is on, the idle heartbeat it needs: an idle coordinator then sleeps until work arrives).",
+        horovod="HOROVOD_STALL_CHECK_TIME_SECONDS",
     ),
     Setting(
         "stall_shutdown_time_seconds", float, 0.0, "seconds",
         "After this long stalled, gradsync shuts down on every rank and every pending collective fails "
         "with the stall report (StallError). 0: never; only the warning.",
+        horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
     ),
     Setting(
         "rank_failure_timeout_seconds", float, 30.0, "seconds",
@@ -87,21 +94,25 @@ SETTINGS: tuple[Setting, ...] = (
         "Response cache size. A collective seen before (same name, dtype, shape, op, ...) is negotiated "
         "with one bit in a small bitwise allreduce instead of a gather and broadcast of its description. "
         "0 disables the cache.",
+        horovod="HOROVOD_CACHE_CAPACITY",
     ),
     Setting(
         "hierarchical_allreduce", parse_bool, False, "bool",
         "Allreduce in three stages: reduce within each host over shared memory, allreduce across hosts "
         "among the local rank 0 processes, broadcast within each host.",
+        horovod="HOROVOD_HIERARCHICAL_ALLREDUCE",
     ),
     Setting(
         "timeline", str, "", "path",
         "Write a Chrome trace (chrome://tracing, Perfetto) of every collective's phases to this file. "
         "Empty: no timeline.",
+        horovod="HOROVOD_TIMELINE",
     ),
     Setting(
         "autotune", parse_bool, False, "bool",
         "Tune the fusion threshold and cycle time on the running job from measured throughput, and log "
         "the chosen values.",
+        horovod="HOROVOD_AUTOTUNE",
     ),
     Setting(
         "autotune_window", float, 2.0, "seconds",
@@ -112,14 +123,35 @@ SETTINGS: tuple[Setting, ...] = (
         "How collectives of GPU tensors move data: 'NCCL' (device buffers, NCCL on a CUDA stream of "
         "its own) or 'MPI' (through pinned host buffers and MPI; lets several ranks share one GPU). "
         "Empty: NCCL when the NCCL library loads, else MPI. Must be the same on every rank.",
+        horovod="HOROVOD_GPU_OPERATIONS",
     ),
     Setting(
         "log_level", str, "WARNING", "name",
         "Level of the 'gradsync' logger: DEBUG, INFO, WARNING, ERROR.",
+        horovod="HOROVOD_LOG_LEVEL",
     ),
 )
 
 _BY_FIELD = {s.field: s for s in SETTINGS}
+# Horovod values that mean something else here: HOROVOD_TIMELINE=DYNAMIC opens no file at init (the
+# timeline starts with gradsync.torch.start_timeline()), and Horovod's extra log levels.
+_HOROVOD_VALUES = {("timeline", "DYNAMIC"): "", ("log_level", "TRACE"): "DEBUG",
+                   ("log_level", "FATAL"): "CRITICAL"}
+
+
+def horovod_value(setting: Setting, environ: dict[str, str]) -> str | None:
+    """The value Horovod's variable gives ``setting`` in ``environ`` (translated where Horovod's
+    meaning differs, see docs/configuration.md), or None when Horovod has no say.
+
+    ``HOROVOD_STALL_CHECK_DISABLE=1`` sets the stall check time to 0 (off), as in Horovod.
+    """
+    if setting.field == "stall_check_time_seconds" and environ.get(
+            "HOROVOD_STALL_CHECK_DISABLE", "").strip() in ("1", "true", "True"):
+        return "0"
+    if not setting.horovod or setting.horovod not in environ:
+        return None
+    raw = environ[setting.horovod]
+    return _HOROVOD_VALUES.get((setting.field, raw.strip().upper()), raw)
 MIN_FAILURE_TIMEOUT = 0.5  # seconds; below it the liveness periods derived from it become too short
 
 
@@ -163,6 +195,8 @@ class Config:
                 raw, source = overrides[setting.field], f"init({setting.field}=...)"
             elif setting.env in environ:
                 raw, source = environ[setting.env], setting.env
+            elif horovod_value(setting, environ) is not None:
+                raw, source = horovod_value(setting, environ), setting.horovod or setting.env
             else:
                 values[setting.field] = setting.default
                 continue
@@ -183,9 +217,11 @@ class Config:
 
 
 def markdown_table() -> str:
-    """The settings as a Markdown table (variable, unit, default, meaning), for docs/configuration.md."""
-    rows = ["| variable | unit | default | meaning |", "|---|---|---|---|"]
-    rows += [f"| `{s.env}` | {s.unit} | `{s.default}` | {s.help} |" for s in SETTINGS]
+    """The settings as a Markdown table (variable, unit, default, meaning, Horovod's variable read
+    when it is unset), for docs/configuration.md."""
+    rows = ["| variable | unit | default | meaning | Horovod fallback |", "|---|---|---|---|---|"]
+    rows += [f"| `{s.env}` | {s.unit} | `{s.default}` | {s.help} | "
+             f"{f'`{s.horovod}`' if s.horovod else '-'} |" for s in SETTINGS]
     return "\n".join(rows)
 
 

@@ -125,6 +125,18 @@ class Coordinator:
         self.queue.push_all(entries)
         return [entry.handle for entry in entries]
 
+    def replace_timeline(self, timeline) -> None:
+        """Write the timeline to ``timeline`` (a :class:`gradsync.timeline.Timeline`) from now on, or
+        stop writing (None), closing the current one. Callable from any thread: the coordinator
+        reads the attribute afresh each time, and a closed timeline ignores what is written to it,
+        so stopping keeps the closed object (a thread between its None check and its call stays
+        safe) rather than setting None."""
+        old = self.timeline
+        if timeline is not None:
+            self.timeline = self.device.timeline = timeline
+        if old is not None and old is not timeline:
+            old.close()
+
     def _check_device(self, entry: Entry) -> None:
         if entry.runtime is not None:
             reason = self.device.check_device(entry.runtime, entry.device)

@@ -174,6 +174,9 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
+    if op == ReduceOp.Adasum:  # allreduce and grouped_allreduce took it to gradsync.adasum before
+        raise NotImplementedError(f"{where}: op=Adasum is supported by allreduce and "
+                                  "grouped_allreduce only")
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
     shape = info.shape
@@ -192,6 +195,8 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, process_set: ProcessSet,
                kind: Kind = Kind.ALLREDUCE) -> Handle:
+    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum:
+        return _adasum([tensor], name, in_place, prescale_factor, postscale_factor, process_set, False)
     prepared = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor, in_place,
                           process_set)
     return prepared.submit(name, kind.name.lower())
@@ -200,8 +205,16 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
 def _grouped_reduction(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
                        prescale_factor: float, postscale_factor: float, in_place: bool,
                        process_set: ProcessSet) -> GroupHandle:
+    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum and isinstance(tensors, (list, tuple)) and tensors:
+        return _adasum(tensors, name, in_place, prescale_factor, postscale_factor, process_set, True)
     return _grouped(tensors, name, kind, process_set, lambda tensor, where: _reduction(
         tensor, None, kind, op, prescale_factor, postscale_factor, in_place, process_set, where))
+
+
+def _adasum(*args) -> Handle | GroupHandle:
+    from .adasum import allreduce_async  # imported on use: it builds on this module's alltoall
+
+    return allreduce_async(*args)
 
 
 def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, process_set: ProcessSet,
@@ -244,6 +257,8 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         name: identifies the collective across ranks (see the module docstring).
         op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
+            ``Adasum``: the adaptive sum of :mod:`gradsync.adasum` (floating-point host tensors,
+            a power-of-two number of ranks).
         prescale_factor: multiplies the input before the reduction (floating dtypes only).
         postscale_factor: multiplies the result after it (floating dtypes only).
         process_set: the ranks that take part (default: every rank); Average divides by its size.
@@ -256,6 +271,7 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         NotInitializedError: before ``init()``.
         TypeError: unsupported array type, dtype or device; Average of bool; scale factors on an
             integer tensor. The message names the tensor and the rank.
+        NotImplementedError: ``op=Adasum`` on a number of ranks that is not a power of two.
         ValueError: unknown ``op``; a collective of that name still in flight on this rank;
             ``process_set`` not registered or this rank not a member of it; a device tensor on
             another GPU than this rank's earlier ones.
@@ -387,7 +403,8 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = Red
         A handle; :func:`synchronize` returns a new tensor of shape ``(counts[rank],) + shape[1:]``.
 
     Raises:
-        ValueError: a 0-d tensor. Others as :func:`allreduce_async`.
+        ValueError: a 0-d tensor. NotImplementedError: ``op=Adasum``. Others as
+            :func:`allreduce_async`.
     """
     return _allreduce(tensor, name, op, prescale_factor, postscale_factor, False, process_set,
                       Kind.REDUCESCATTER)
@@ -416,6 +433,7 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
     Raises:
         TypeError: as :func:`grouped_allreduce_async`.
         ValueError: as :func:`grouped_allreduce_async`, and for a 0-d member.
+        NotImplementedError: ``op=Adasum``.
     """
     return _grouped_reduction(tensors, name, Kind.REDUCESCATTER, op, prescale_factor,
                               postscale_factor, False, process_set)

@@ -14,7 +14,9 @@ class ReduceOp(enum.IntEnum):
     """Reduction operations of allreduce (same semantics as the MPI operations of the same name).
 
     ``Average`` is ``Sum`` divided by the number of ranks; for integer tensors it is the floor of the
-    exact mean (see :mod:`gradsync.dtypes`).
+    exact mean (see :mod:`gradsync.dtypes`). ``Adasum`` is the adaptive summation of Maleki et al.
+    (MLSys 2021), as Horovod's ``op=hvd.Adasum``: allreduce and grouped allreduce of floating-point
+    host tensors on a power-of-two number of ranks (see :mod:`gradsync.adasum`).
     """
 
     Average = 0
@@ -22,6 +24,7 @@ class ReduceOp(enum.IntEnum):
     Min = 2
     Max = 3
     Product = 4
+    Adasum = 5
 
 
 Average = ReduceOp.Average
@@ -29,6 +32,7 @@ Sum = ReduceOp.Sum
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
+Adasum = ReduceOp.Adasum
 
 
 class Kind(enum.IntEnum):

@@ -55,6 +55,8 @@ class Runtime:
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         cross = world.Split(color=self.local_rank, key=self.rank)
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
+        # Every host runs the same number of ranks (Horovod's is_homogeneous()).
+        self.homogeneous = len(set(world.allgather(self.local_size))) == 1
         self.comm = world.Dup()  # the coordinator's own communicator: no other thread uses it
         # The user thread's communicator, for registering process sets (collective over all ranks).
         self.control = world.Dup()
@@ -121,6 +123,18 @@ class Runtime:
                              "members may run collectives on it (guard the call with "
                              "`if process_set.included():`)")
         return state.coordinator
+
+    def replace_timelines(self, path: str, mark_cycles: bool = True) -> None:
+        """Write the timeline of every process set this rank belongs to to ``path`` from now on, as
+        ``GRADSYNC_TIMELINE=path`` would have at init (rank 0 alone unless ``{rank}`` is in it;
+        ``.set<id>`` appended for other sets); ``path=""`` stops writing. Closes the files written
+        so far. ``mark_cycles=False`` leaves out the CYCLE markers."""
+        from .timeline import open_for
+
+        for ident, state in list(self.process_sets.items()):
+            if state.coordinator is not None:
+                state.coordinator.replace_timeline(
+                    open_for(path, ident, state.coordinator.world_rank, mark_cycles))
 
     def add_process_set(self, process_set: Any) -> Any:
         """See :func:`gradsync.add_process_set` (``process_set``: a :class:`~gradsync.ProcessSet`)."""

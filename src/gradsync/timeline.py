@@ -35,8 +35,9 @@ COORDINATOR_ROW = 0
 class Timeline:
     """Buffered writer of trace events; thread-safe. Timestamps are ``time.perf_counter_ns()``."""
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, mark_cycles: bool = True) -> None:
         self.rank = rank
+        self.mark_cycles = mark_cycles  # False: :meth:`marker` (the CYCLE markers) writes nothing
         self._origin = time.perf_counter_ns()
         self._lock = threading.Lock()
         self._rows: dict[str, int] = {}
@@ -54,7 +55,9 @@ class Timeline:
         self._emit(event)
 
     def marker(self, name: str, at_ns: int, args: dict | None = None) -> None:
-        """An instant event on the coordinator row."""
+        """An instant event on the coordinator row (none when ``mark_cycles`` is off)."""
+        if not self.mark_cycles:
+            return
         event = {"name": name, "ph": "i", "s": "t", "pid": self.rank, "tid": COORDINATOR_ROW,
                  "ts": (at_ns - self._origin) / 1000}
         if args:
@@ -98,21 +101,21 @@ class Timeline:
             self._buffer.clear()
 
 
-def open_timeline(path: str, rank: int) -> Timeline | None:
+def open_timeline(path: str, rank: int, mark_cycles: bool = True) -> Timeline | None:
     """The timeline this rank writes for ``GRADSYNC_TIMELINE=path``, or None (see module docstring)."""
     if not path:
         return None
     if "{rank}" in path:
-        return Timeline(path.format(rank=rank), rank)
-    return Timeline(path, rank) if rank == 0 else None
+        return Timeline(path.format(rank=rank), rank, mark_cycles)
+    return Timeline(path, rank, mark_cycles) if rank == 0 else None
 
 
-def open_for(path: str, process_set_id: int, rank: int) -> Timeline | None:
+def open_for(path: str, process_set_id: int, rank: int, mark_cycles: bool = True) -> Timeline | None:
     """The timeline of one process set's coordinator: ``path`` for the global set, one file per
     other set (``path.setN``: each set has its own coordinator), or None without a path."""
     if path and process_set_id:
         path = f"{path}.set{process_set_id}"
-    return open_timeline(path, rank)
+    return open_timeline(path, rank, mark_cycles)
 
 
 def record_collective(timeline: Timeline, entries: list, replied_ns: int, started_ns: int,

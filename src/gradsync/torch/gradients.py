@@ -25,6 +25,7 @@ from ..compression import Compressor
 from ..fusion import split_rows
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
+from .mpi_ops import sparse_allreduce_async
 
 DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + its sparse_dim
 
@@ -58,6 +59,7 @@ class _Round:
     waits: list[Callable[[], None]] = field(default_factory=list)
     finishes: list[Callable[[], None]] = field(default_factory=list)  # after every wait
     group_ready: dict[int, int] = field(default_factory=dict)  # reduction group -> members handed
+    resparsify: dict[torch.Tensor, int] = field(default_factory=dict)  # densified -> sparse_dim
 
 
 class GradientReducer:
@@ -68,7 +70,7 @@ class GradientReducer:
         rank: this process's world rank, for messages.
 
     Parameters are added with :meth:`track`; :meth:`cut_into_groups` cuts those known then into
-    reduction groups (``num_groups``); parameters tracked later are reduced on their own.
+    reduction groups (``groups``); parameters tracked later are reduced on their own.
     """
 
     def __init__(self, reduction: Reduction, rank: int) -> None:
@@ -82,8 +84,8 @@ class GradientReducer:
     def track(self, param: torch.Tensor, name: str) -> None:
         self.names[param] = name
 
-    def cut_into_groups(self, num_groups: int) -> None:
-        self.groups = reduction_groups(list(self.names), num_groups)
+    def cut_into_groups(self, groups: int | list) -> None:
+        self.groups = reduction_groups(list(self.names), groups, self.rank)
 
     def first_name(self) -> str:
         """The first parameter's name: it tells this optimizer's own collectives apart."""
@@ -106,6 +108,8 @@ class GradientReducer:
         """Start the collective(s) of ``param.grad`` now (it must not be None)."""
         grad = param.grad
         if grad.layout != torch.strided and self.reduction.sparse_as_dense:
+            # The wrapped optimizer gets it sparse again (SparseAdam needs it), as Horovod's.
+            self._round.resparsify[param] = grad.sparse_dim()
             param.grad = grad = grad.to_dense()
         self._round.handed[param] = HandedOver(grad, grad._version)
         name = f"grad.{self.names[param]}"
@@ -144,6 +148,8 @@ class GradientReducer:
         self._check_unchanged(done.handed)
         for finish in done.finishes:
             finish()
+        for param, sparse_dim in done.resparsify.items():  # sparse_as_dense, after every write
+            param.grad = param.grad.to_sparse(sparse_dim)
         self._averaged = {param: weakref.ref(param.grad) for param in done.handed}
 
     def _exchange_layouts(self):
@@ -206,23 +212,17 @@ class GradientReducer:
 
     def _sparse_allgather(self, param: torch.Tensor, name: str,
                           grad: torch.Tensor) -> Callable[[], None]:
-        """Start the allgathers of a sparse gradient's indices and values; the returned wait
-        finishes them and queues setting ``param.grad`` to their sum over the ranks (divided by
-        the number of ranks for Average)."""
-        grad = grad.coalesce()
-        process_set = self.reduction.process_set
-        indices = ops.allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
-                                      process_set=process_set)
-        values = ops.allgather_async(grad.values().contiguous(), name=f"{name}.values",
-                                     process_set=process_set)
+        """Start the allgathers of a sparse gradient's indices and values
+        (:func:`gradsync.torch.sparse_allreduce_async`); the returned wait finishes them and
+        queues setting ``param.grad`` to their coalesced sum over the ranks (divided by the number
+        of ranks for Average)."""
+        result = sparse_allreduce_async(grad.coalesce(), name, self.reduction.op,
+                                        self.reduction.process_set)
         finishes = self._round.finishes
 
         def wait() -> None:
-            gathered_indices, gathered = ops.synchronize(indices), ops.synchronize(values)
-            if self.reduction.op == ReduceOp.Average:
-                gathered = gathered / process_set.size()
-            finishes.append(lambda: setattr(param, "grad", torch.sparse_coo_tensor(
-                gathered_indices.t(), gathered, grad.shape, check_invariants=False).coalesce()))
+            summed = result()
+            finishes.append(lambda: setattr(param, "grad", summed.coalesce()))
 
         return wait
 
@@ -243,16 +243,40 @@ class GradientReducer:
             "synchronize().")
 
 
-def reduction_groups(params: list[torch.Tensor], num_groups: int) -> dict:
-    """param -> (group index, the group's parameters): ``params`` in order, cut into ``num_groups``
-    contiguous groups as evenly as possible (the first ones one parameter larger); {} for 0."""
-    groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
-    start = 0
-    for index, count in enumerate(split_rows(len(params), num_groups) if num_groups else []):
-        members = tuple(params[start:start + count])
-        groups.update((param, (index, members)) for param in members)
-        start += count
-    return groups
+def reduction_groups(params: list[torch.Tensor], groups: int | list, rank: int) -> dict:
+    """param -> (group index, the group's parameters).
+
+    ``groups`` is an int N: ``params`` in order, cut into N contiguous groups as evenly as possible
+    (the first ones one parameter larger; 0: no groups); or a list of lists of parameters: each list
+    a group, in its order, without the parameters that are not in ``params`` (no ``requires_grad``).
+    Parameters in no group are reduced on their own, as Horovod's singleton groups.
+
+    Raises:
+        ValueError: a list entry that is not a list of tensors, or a parameter in two groups.
+    """
+    if isinstance(groups, int):
+        bounds = np.cumsum([0, *split_rows(len(params), groups)]) if groups else [0]
+        chunks = [params[a:b] for a, b in zip(bounds, bounds[1:])]
+    else:
+        _check_groups(groups, rank)
+        tracked = {id(p) for p in params}
+        chunks = [[p for p in group if id(p) in tracked] for group in groups]
+    return {param: (index, tuple(members))
+            for index, members in enumerate(chunks) for param in members}
+
+
+def _check_groups(groups: list, rank: int) -> None:
+    """``groups=`` as a list: lists of the optimizer's parameters, each in one group at most."""
+    seen: set[int] = set()
+    for index, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in group):
+            raise ValueError(f"gradsync: rank {rank}: groups[{index}] must be a list of parameters "
+                             f"(torch.Tensor), got {type(group).__qualname__}")
+        for p in group:
+            if id(p) in seen:
+                raise ValueError(f"gradsync: rank {rank}: a parameter of shape {tuple(p.shape)} is in "
+                                 "groups twice; a parameter may appear in one group only")
+            seen.add(id(p))
 
 
 def _zeros(param: torch.Tensor, sparse_dim: int) -> torch.Tensor:

@@ -15,8 +15,10 @@ import enum
 import functools
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,16 +44,24 @@ class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _gradsync_setup(self, named_parameters, backward_passes_per_step: int,
-                        reduction: Reduction, num_groups: int,
+                        reduction: Reduction, groups: int | list,
                         synchronize_in_backward: bool) -> None:
         self._gs_rank = runtime.get().rank
-        self._gs_process_set = reduction.process_set
-        self._gs_size = reduction.process_set.size()
+        self._gs_process_set = process_set = reduction.process_set
+        self._gs_size = process_set.size()
         self._gs_op = reduction.op
+        # Adasum combines the wrapped optimizer's updates (deltas), not the gradients: see step().
+        self._gs_adasum = reduction.op == ReduceOp.Adasum
+        self._gs_compression = reduction.compression
         self._gs_passes = backward_passes_per_step
         self._gs_in_backward = synchronize_in_backward
+        self._gs_synchronized = False  # the user called synchronize() since the last step()
+        # A rank outside a (registered) process set reduces nothing and steps on its own
+        # gradients, as Horovod's: it has no coordinator, and tracks no parameter.
+        self._gs_member = process_set.process_set_id is None or process_set.included()
         self._gs_coordinator = runtime.get().coordinator_for(
-            reduction.process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer")
+            process_set, f"gradsync: rank {self._gs_rank}: DistributedOptimizer"
+        ) if self._gs_member else None
         self._gs_reducer = GradientReducer(reduction, self._gs_rank)
         self._gs_names = self._gs_reducer.names  # parameter -> name
         self._gs_hooks = []
@@ -60,8 +70,9 @@ class _DistributedOptimizer:
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, self._gs_hooks)
         self._gs_skip = False
-        self._gs_timeline = self._gs_coordinator.timeline
-        self._gs_joins = self._gs_coordinator.joins  # see _gs_check_parameters_agree
+        self._gs_timeline = self._gs_coordinator.timeline if self._gs_member else None
+        # see _gs_check_parameters_agree
+        self._gs_joins = self._gs_coordinator.joins if self._gs_member else 0
         self._gs_backward_ns = (0, 0)  # first and latest gradient hook of this step, for the timeline
         self._gs_backward_events = None  # the same on a GPU: timing events on the compute stream
         self._gs_given_names = _check_names(named_parameters, self._gs_params(), self._gs_rank)
@@ -69,7 +80,7 @@ class _DistributedOptimizer:
             self._gs_check_owners(group)
         for group_index, group in enumerate(self.param_groups):
             self._gs_track(group, group_index)
-        self._gs_reducer.cut_into_groups(num_groups)
+        self._gs_reducer.cut_into_groups(groups)
         self._gs_parameters_checked = False  # the first step() compares the ranks' parameters
         self._gs_warned_no_gradient = False
         self._gs_backward_tasks: set[int] = set()  # backward passes (graph tasks) with our callback
@@ -93,12 +104,15 @@ class _DistributedOptimizer:
                     "also works)")
 
     def _gs_track(self, group: dict, group_index: int) -> None:
+        if not self._gs_member:
+            return
         for index, param in enumerate(group["params"]):
             if not param.requires_grad or param in self._gs_names:
                 continue
             param._gradsync_owner = weakref.ref(self)
             self._gs_reducer.track(param, self._gs_given_names.get(param, f"param.{group_index}.{index}"))
-            self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_weak_hook))
+            if not self._gs_adasum:  # with Adasum gradients accumulate locally; step() reduces
+                self._gs_hooks.append(param.register_post_accumulate_grad_hook(self._gs_weak_hook))
 
     def _gs_new_period(self) -> None:
         """Start a period: no backward pass counted, no gradient handed over (program order only:
@@ -161,7 +175,7 @@ class _DistributedOptimizer:
             return
         self._gs_backward_count += 1
         if self._gs_period is _Period.OPEN and self._gs_backward_count >= self._gs_passes:
-            self.synchronize()
+            self._gs_synchronize()
 
     def _gs_resume_after(self, outer) -> None:
         """Queue the end-of-backward callback on the enclosing backward pass instead, from a
@@ -209,14 +223,22 @@ class _DistributedOptimizer:
         step's gradients (with ``synchronize_in_backward=True``, the default), after an earlier
         synchronize(), or after zero_grad() following one. On a GPU it makes the current stream
         wait; the host does not block. Same semantics as Horovod's
-        ``DistributedOptimizer.synchronize()``, except that a second call reduces nothing twice.
+        ``DistributedOptimizer.synchronize()``, except that a second call reduces nothing twice;
+        a ``step()`` after it outside :meth:`skip_synchronize` gets Horovod's warning. With
+        ``op=Adasum``, and on a rank outside the optimizer's process set, it does nothing (as
+        Horovod's): step() reduces the update.
 
         Raises:
             RuntimeError: a gradient was changed in place, or ``p.grad`` replaced, while its
                 allreduce was in flight (names the parameter).
             CollectiveError, ShutdownError, RankFailureError: a gradient's collective failed.
         """
-        if self._gs_period is not _Period.OPEN:
+        self._gs_synchronized = True
+        self._gs_synchronize()
+
+    def _gs_synchronize(self) -> None:
+        """End this period's round (see :meth:`synchronize`), unless it has ended."""
+        if self._gs_period is not _Period.OPEN or self._gs_adasum or not self._gs_member:
             return
         self._gs_period = _Period.AVERAGED
         self._gs_warn_once_without_gradients()
@@ -249,9 +271,14 @@ class _DistributedOptimizer:
             with optimizer.skip_synchronize():
                 optimizer.step()
 
-        Raises (from step()):
-            RuntimeError: gradients are still in flight (no synchronize() before the block).
+        Raises:
+            AssertionError: with ``op=Adasum``, whose step() reduces the update itself (Horovod's).
+            RuntimeError (from step()): gradients are still in flight (no synchronize() before the
+                block).
         """
+        if self._gs_adasum:
+            raise AssertionError("gradsync: skip_synchronize() has no meaning with op=Adasum: step() "
+                                 "reduces the wrapped optimizer's update itself; call step() alone")
         self._gs_skip = True
         try:
             yield
@@ -268,31 +295,81 @@ class _DistributedOptimizer:
         stopping tests) takes the same decisions, and calls the closure as often, on every rank.
 
         The first call also checks that the ranks hold the same parameters (one small allreduce);
-        see :meth:`_gs_check_parameters_agree`.
+        see :meth:`_gs_check_parameters_agree`. After an explicit ``synchronize()``, a step()
+        outside ``skip_synchronize()`` gets Horovod's warning (gradsync reduces nothing twice).
+        With ``op=Adasum``: see :meth:`_gs_adasum_step`. On a rank outside the optimizer's process
+        set: the wrapped optimizer's step on this rank's own gradients (Horovod's).
 
         Raises:
             RuntimeError: step() inside skip_synchronize(), or step(closure), while this rank's
                 gradients are still being allreduced; see also :meth:`synchronize`.
         """
+        if not self._gs_member:
+            return super().step(closure)
+        if self._gs_synchronized and not (self._gs_skip or self._gs_adasum):
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                          "after optimizer.synchronize(): gradsync does not reduce the gradients "
+                          "again, but wrap step() in `with optimizer.skip_synchronize():` to say "
+                          "that you meant it", stacklevel=2)
+        self._gs_synchronized = False
+        if self._gs_adasum:
+            return self._gs_adasum_step(closure)
         if closure is not None:
             self._gs_refuse_in_flight("optimizer.step(closure) was called")
             closure = functools.partial(self._gs_evaluate, closure)
         elif self._gs_skip:
             self._gs_refuse_in_flight("optimizer.step() was called inside skip_synchronize()")
         else:
-            self.synchronize()
-        if not self._gs_parameters_checked:
-            self._gs_parameters_checked = True
-            self._gs_check_parameters_agree()
+            self._gs_synchronize()
+        self._gs_check_parameters_once()
         result = super().step(closure)
         self._gs_new_period()
         return result
+
+    def _gs_check_parameters_once(self) -> None:
+        if not self._gs_parameters_checked:
+            self._gs_parameters_checked = True
+            self._gs_check_parameters_agree()
+
+    def _gs_adasum_step(self, closure):
+        """Horovod's Adasum optimizer: the wrapped optimizer steps on this rank's own (locally
+        accumulated) gradients, and closure losses stay this rank's own; the update of every
+        parameter (its change, learning rate and momentum included) is combined across ranks by
+        Adasum, and every rank applies the combined update to its parameters as they were before
+        the step. One grouped Adasum allreduce per dtype (after ``compression``), on host memory
+        (CUDA tensors are staged); every rank submits them whatever its gradients (a parameter
+        without one has a zero update)."""
+        from .mpi_ops import grouped_allreduce_async_
+
+        self._gs_check_parameters_once()
+        params = list(self._gs_names)
+        with torch.no_grad():
+            start = [p.detach().clone() for p in params]
+        loss = super().step(closure)
+        by_dtype: dict[torch.dtype, list[_AdasumUpdate]] = {}
+        with torch.no_grad():
+            for param, before in zip(params, start):
+                param.sub_(before)  # the update, reduced in the parameter's own memory
+                compressed, context = self._gs_compression.compress(param.detach())
+                by_dtype.setdefault(compressed.dtype, []).append(
+                    _AdasumUpdate(param, compressed, context, before))
+            handles = [grouped_allreduce_async_([u.compressed for u in updates], op=ReduceOp.Adasum,
+                                                name=f"adasum.{self._gs_reducer.first_name()}.{dtype}",
+                                                process_set=self._gs_process_set)
+                       for dtype, updates in by_dtype.items()]
+            for handle in handles:
+                ops.synchronize(handle)
+            for update in (u for updates in by_dtype.values() for u in updates):
+                update.param.copy_(update.before + self._gs_compression.decompress(
+                    update.compressed, update.context))
+        self._gs_new_period()
+        return loss
 
     def _gs_evaluate(self, closure: Callable[[], torch.Tensor]):
         """One closure evaluation: a period of its own, averaged, with the loss averaged."""
         self._gs_new_period()  # every rank ended the previous evaluation with a synchronize()
         loss = closure()
-        self.synchronize()
+        self._gs_synchronize()
         return self._gs_average_loss(loss)
 
     def _gs_average_loss(self, loss):
@@ -367,7 +444,7 @@ class _DistributedOptimizer:
         synchronized, so that every rank finishes the same round.
         """
         if self._gs_period is _Period.OPEN and self._gs_reducer.in_flight():
-            self.synchronize()
+            self._gs_synchronize()
         super().zero_grad(set_to_none=set_to_none)
         if self._gs_period is _Period.OPEN:
             self._gs_new_period()  # the passes counted so far are gone
@@ -385,11 +462,42 @@ class _DistributedOptimizer:
                 raise
             self._gs_track(self.param_groups[-1], len(self.param_groups) - 1)
 
+    @property
+    def _parameter_names(self) -> dict:
+        """parameter -> its name, for the parameters this optimizer reduces (Horovod's attribute)."""
+        return dict(self._gs_names)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Reduce after ``passes`` backward passes from now on, counting afresh (Horovod's method).
+
+        Raises:
+            ValueError: ``passes < 1``. RuntimeError: gradients are being reduced (call step() or
+                synchronize() first).
+        """
+        if int(passes) < 1:
+            raise ValueError(f"gradsync: rank {self._gs_rank}: backward_passes_per_step must be >= 1, "
+                             f"got {passes}")
+        if self._gs_reducer.in_flight():
+            raise RuntimeError(f"gradsync: rank {self._gs_rank}: set_backward_passes_per_step() while "
+                               "gradients are being reduced; call step() or synchronize() first")
+        self._gs_passes = int(passes)
+        self._gs_counts = {}
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state (torch semantics), after finishing a round still in flight."""
         if self._gs_period is _Period.OPEN and self._gs_reducer.in_flight():
-            self.synchronize()
+            self._gs_synchronize()
         super().load_state_dict(state_dict)
+
+
+@dataclass(frozen=True)
+class _AdasumUpdate:
+    """One parameter's update in an Adasum step: reduced in ``compressed``, added to ``before``."""
+
+    param: torch.Tensor
+    compressed: torch.Tensor
+    context: object
+    before: torch.Tensor
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -420,6 +528,9 @@ def _check_names(named_parameters, params: list[torch.Tensor], rank: int) -> dic
     if named_parameters is None:
         return {}
     pairs = list(named_parameters)
+    if any(not (isinstance(pair, tuple) and len(pair) == 2) for pair in pairs):
+        raise ValueError(f"gradsync: rank {rank}: named_parameters must be (name, parameter) pairs, "
+                         "as model.named_parameters() gives")
     names = [name for name, _ in pairs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -441,12 +552,12 @@ def _distributed_class(cls: type) -> type:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                         backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
-                         gradient_predivide_factor: float = 1.0,
-                         sparse_as_dense: bool = False,
                          compression: Compressor = Compression.none,
+                         backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | list[list[torch.Tensor]] | None = None,
+                         sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set,
-                         num_groups: int = 0,
                          synchronize_in_backward: bool = True) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
@@ -456,8 +567,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     them before it returns (as DDP does), so code between ``backward()`` and ``step()`` (gradient
     clipping, norm logging, ``GradScaler.unscale_``) sees the averaged gradients; ``step()`` then
     runs the wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks
-    compute the same update as one process on the N-times larger batch (same semantics as
-    Horovod's DistributedOptimizer).
+    compute the same update as one process on the N-times larger batch (same semantics, and the
+    same argument order, as Horovod's ``hvd.DistributedOptimizer``; ``synchronize_in_backward``
+    is gradsync's own, after Horovod's arguments).
 
     Every rank reduces every parameter once per step whatever its data: a rank whose backward
     produced no gradient for a parameter (an unused branch, a loss not connected to the
@@ -478,29 +590,37 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             rank; see docs/gpu.md).
         named_parameters: ``model.named_parameters()``; names identify gradients across ranks and
             appear in errors. Without it, parameters are named by position ("param.<group>.<index>").
-        backward_passes_per_step: backward passes accumulated locally before the allreduce
-            (gradient accumulation); gradients are summed over the passes, as in plain PyTorch.
-        op: ``Average`` (default) or ``Sum`` across ranks.
-        gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
-            by f/size after it (to keep low-precision sums in range).
-        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are densified and
-            allreduced like the others. By default they are reduced by an allgather of their
-            indices and values, and ``param.grad`` becomes the coalesced sparse sum (divided by the
-            number of ranks for Average): cheaper when few rows are touched. A rank on which such
-            a parameter got no gradient in a step contributes no rows.
         compression: how gradients travel: ``gradsync.Compression.none`` (default), ``.fp16`` or
             ``.bf16`` (float32/float64 gradients are cast to 16 bits before fusion and back after
             the allreduce), or any object with ``compress``/``decompress``
             (:class:`gradsync.compression.Compressor`). Sparse gradients are not compressed.
+        backward_passes_per_step: backward passes accumulated locally before the allreduce
+            (gradient accumulation); gradients are summed over the passes, as in plain PyTorch.
+        op: ``Average`` (default) or ``Sum`` of the gradients across ranks, or ``Adasum``: then
+            the wrapped optimizer steps on each rank's own gradients and the *updates* are
+            combined by Adasum (:meth:`_DistributedOptimizer._gs_adasum_step`; a power-of-two
+            number of ranks), as Horovod's Adasum optimizer; gradients stay this rank's own.
+        gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
+            by f/size after it (to keep low-precision sums in range).
+        num_groups: as ``groups=N`` (Horovod's older name for it).
+        groups: None or 0 (default): each gradient is allreduced on its own as soon as it is
+            ready (and fused with others that happen to be ready at the same time). An int N > 0:
+            the parameters, in the optimizer's order, are cut into N groups as evenly as possible.
+            A list of lists of parameters: those groups (parameters in none are reduced on their
+            own). Each group is reduced by one :func:`gradsync.grouped_allreduce_async_` (per
+            gradient dtype) once all its gradients are ready: fewer, larger, predictable fusion
+            buffers, as Horovod's ``groups``. Parameters added later with ``add_param_group`` are
+            reduced on their own.
+        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are densified,
+            allreduced like the others, and made sparse again when the round ends (as Horovod's,
+            so ``SparseAdam`` still gets sparse gradients). By default they are reduced by
+            :func:`gradsync.torch.sparse_allreduce_async` (an allgather of their indices and
+            values), and ``param.grad`` becomes the coalesced sparse sum (divided by the number
+            of ranks for Average): cheaper when few rows are touched. A rank on which such a
+            parameter got no gradient in a step contributes no rows.
         process_set: the ranks among which gradients are averaged (default: every rank); Average
-            divides by its size. Only its members may create the optimizer.
-        num_groups: 0 (default): each gradient is allreduced on its own as soon as it is ready
-            (and fused with others that happen to be ready at the same time). N > 0: the
-            parameters, in the optimizer's order, are cut into N groups as evenly as possible, and
-            each group is reduced by one :func:`gradsync.grouped_allreduce_async_` (per gradient
-            dtype) once all its gradients are ready: fewer, larger, predictable fusion buffers, as
-            Horovod's ``num_groups``. Parameters added later with ``add_param_group`` are reduced
-            on their own.
+            divides by its size. On a rank outside it the optimizer reduces nothing and steps on
+            that rank's own gradients (as Horovod's).
         synchronize_in_backward: True (default): the step's last backward pass waits for its
             allreduces before returning (on a GPU, the current stream waits; the host does not).
             False: Horovod's timing: ``step()`` or ``synchronize()`` waits, and gradients must not
@@ -508,11 +628,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
-            names, optimizer parameters missing from ``named_parameters``,
-            ``backward_passes_per_step < 1``, ``num_groups < 0``, a predivide factor with an op
-            other than Average, an optimizer that is already distributed, or one whose ``step``
-            an LR scheduler created before wrapping has already replaced; a ``process_set`` that
-            is not registered or does not contain this rank.
+            names or names that are not (name, tensor) pairs (checked before anything else, also
+            before ``gradsync.init()``), optimizer parameters missing from ``named_parameters``,
+            ``backward_passes_per_step < 1``, ``groups`` / ``num_groups`` that are neither an int
+            >= 0 nor lists of parameters (or both given, differently), a predivide factor with an op
+            other than Average, an op other than Average, Sum and Adasum, an optimizer that is
+            already distributed, or one whose ``step`` an LR scheduler created before wrapping has
+            already replaced; a ``process_set`` that is not registered.
+        NotImplementedError: ``op=Adasum`` on a process set whose size is not a power of two.
         TypeError: ``compression`` has no ``compress``/``decompress`` methods.
         NotInitializedError: before ``gradsync.init()``.
         RuntimeError: later, from ``backward()``, ``synchronize()`` or ``step()``: a gradient
@@ -520,7 +643,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             pass after the step's gradients were averaged, without ``step()`` or ``zero_grad()``
             between. The message names the parameter and the fix.
     """
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+        # Checked before anything else, as Horovod does (also before init: the rank may be unknown).
+        _check_names(named_parameters, [], runtime.get().rank if runtime.is_initialized() else "?")
     rank = runtime.get().rank
+    op, groups = _check_arguments(optimizer, rank, backward_passes_per_step, op,
+                                  gradient_predivide_factor, num_groups, groups, compression,
+                                  process_set)
+    original = type(optimizer)
+    optimizer.__class__ = _distributed_class(original)
+    try:
+        reduction = Reduction(op, 1.0 / float(gradient_predivide_factor),
+                              float(gradient_predivide_factor), compression, bool(sparse_as_dense),
+                              process_set)
+        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), reduction,
+                                  groups, bool(synchronize_in_backward))
+    except BaseException:
+        optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
+        raise
+    return optimizer
+
+
+def _check_arguments(optimizer, rank: int, backward_passes_per_step, op, gradient_predivide_factor,
+                     num_groups, groups, compression, process_set) -> tuple[ReduceOp, int | list]:
+    """Refuse what DistributedOptimizer cannot do (see its Raises); returns the op (Average for
+    Adasum on one rank, as Horovod) and the groups (an int, 0 for none, or lists)."""
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError(f"gradsync: rank {rank}: this optimizer is already a DistributedOptimizer")
     if "step" in vars(optimizer):
@@ -531,29 +679,33 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"gradsync: rank {rank}: backward_passes_per_step must be >= 1, got "
                          f"{backward_passes_per_step}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+    if not _is_count(num_groups):
         raise ValueError(f"gradsync: rank {rank}: num_groups must be an int >= 0 (0: no groups), "
                          f"got {num_groups!r}")
+    if groups is not None and not (isinstance(groups, list) or _is_count(groups)):
+        raise ValueError(f"gradsync: rank {rank}: groups must be an int >= 0 (0: no groups) or a "
+                         f"list of lists of parameters, got {groups!r}")
+    if num_groups and groups is not None and groups != num_groups:
+        raise ValueError(f"gradsync: rank {rank}: give groups= or num_groups= (its older name), not "
+                         f"both: groups={groups!r}, num_groups={num_groups!r}")
     op = ReduceOp(op)
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
+    if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
         raise ValueError(f"gradsync: rank {rank}: DistributedOptimizer reduces gradients with "
-                         f"Average or Sum, got {op.name}")
+                         f"Average, Sum or Adasum, got {op.name}")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
+    if op == ReduceOp.Adasum and process_set.size() & (process_set.size() - 1):
+        raise NotImplementedError(f"gradsync: rank {rank}: op=Adasum needs a power-of-two number of "
+                                  f"ranks (as Horovod's), but {process_set} has {process_set.size()}")
     if not (callable(getattr(compression, "compress", None))
             and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
                         "decompress() methods (see gradsync.Compression)")
-    original = type(optimizer)
-    optimizer.__class__ = _distributed_class(original)
-    try:
-        reduction = Reduction(op, 1.0 / float(gradient_predivide_factor),
-                              float(gradient_predivide_factor), compression, bool(sparse_as_dense),
-                              process_set)
-        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), reduction,
-                                  num_groups, bool(synchronize_in_backward))
-    except BaseException:
-        optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
-        raise
-    return optimizer
+    if op == ReduceOp.Adasum and process_set.size() == 1:
+        op = ReduceOp.Average
+    return op, num_groups if groups is None else groups
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
