@@ -52,22 +52,23 @@ class PowerSGD:
     Args:
         rank: r, the rank of each matrix's approximation (torch's ``matrix_approximation_rank``);
             r = min(rank, n, m) per matrix.
-        start_iter: the first ``start_iter`` steps (``bucket.step < start_iter``) are plain
-            allreduces, as recommended by the paper's authors (a few epochs' worth on real models).
+        start_iter: the first ``start_iter`` steps this hook reduces are plain allreduces, as
+            the paper's authors recommend (torch's ``start_powerSGD_iter``).
         min_compression_rate: a matrix whose n m / ((n + m) r) is below this is allreduced as it is.
         error_feedback: add to each matrix the error its approximation made at the last step.
         warm_start: start each step's power iteration from the last step's Q (else a new random Q).
         seed: seeds the first Q of every matrix: ``numpy.random.default_rng((seed, bucket.index,
-            slot))`` (and the step, without warm start) draws it, standard normal, the same on
-            every rank.
+            slot))`` (and ``(..., iteration)`` without warm start) draws it, standard normal, the
+            same on every rank.
         epsilon: added to each column's norm in the Gram-Schmidt orthogonalisation (a zero column
             stays zero instead of becoming NaN).
 
     Every decision (which gradients are compressed, their shapes, the step) comes from the bucket's
-    shapes and step, the same on every rank. The hook keeps per rank: the error and the Q of every
-    matrix (``state_dict()``/``load_state_dict()``: not part of the optimizer's state_dict; the
-    errors differ between ranks, so each rank saves its own), and ``traffic``, the bytes of the
-    last step.
+    shapes and steps, the same on every rank. The hook keeps, per rank: ``iteration`` (the steps
+    it has begun: one per new ``bucket.step``), the error and the Q of every matrix, and
+    ``traffic``, the bytes of the last step. :meth:`state_dict`/:meth:`load_state_dict` save and
+    restore the first three; they are not part of the optimizer's ``state_dict()``, and the
+    errors differ between ranks, so each rank saves its own. Use one PowerSGD per optimizer.
 
     Raises:
         ValueError: ``rank < 1``, ``start_iter < 0`` or ``min_compression_rate`` not positive.
@@ -90,6 +91,8 @@ class PowerSGD:
         self.errors: dict[tuple[str, int], torch.Tensor] = {}  # (bucket name, slot) -> error
         self.qs: dict[tuple[str, int], torch.Tensor] = {}  # (bucket name, slot) -> last Q
         self.traffic = Traffic(-1, 0, 0)
+        self.iteration = 0
+        self._last_step: int | None = None
 
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, start_iter={self.start_iter}, "
@@ -110,8 +113,11 @@ class PowerSGD:
 
     def __call__(self, bucket: Bucket) -> Future:
         """Start the first half (P and the uncompressed gradients) of ``bucket``'s reduction."""
+        if bucket.step != self._last_step:
+            self._last_step = bucket.step
+            self.iteration += 1
         item = bucket.buffer.element_size()
-        matrices = self.matrices(bucket) if bucket.step >= self.start_iter else []
+        matrices = self.matrices(bucket) if self.iteration > self.start_iter else []
         if not matrices:
             self._count(bucket, bucket.buffer.numel() * item)
             return allreduce_hook(bucket)
@@ -135,8 +141,8 @@ class PowerSGD:
     def _q(self, bucket: Bucket, x: Matrix) -> torch.Tensor:
         key = (bucket.name, x.slot)
         if self.warm_start and key in self.qs:
-            return self.qs[key].to(device=bucket.buffer.device)
-        seed = (self.seed, bucket.index, x.slot) + (() if self.warm_start else (bucket.step,))
+            return self.qs[key].to(device=bucket.buffer.device).to(device=bucket.buffer.device)
+        seed = (self.seed, bucket.index, x.slot) + (() if self.warm_start else (self.iteration - 1,))
         q = np.random.default_rng(seed).standard_normal((x.m, x.r))
         return torch.from_numpy(q).to(dtype=bucket.buffer.dtype, device=bucket.buffer.device)
 
@@ -166,12 +172,18 @@ class PowerSGD:
         return bucket.buffer
 
     def state_dict(self) -> dict:
-        """This rank's errors and Qs (host copies) and its settings, for a checkpoint per rank."""
-        return {"errors": {k: v.cpu() for k, v in self.errors.items()},
+        """This rank's iteration count, errors and Qs (host copies), for a checkpoint per rank:
+        ``{"iteration": int, "errors": {(bucket name, slot): tensor}, "qs": {...}}``."""
+        return {"iteration": self.iteration,
+                "errors": {k: v.cpu() for k, v in self.errors.items()},
                 "qs": {k: v.cpu() for k, v in self.qs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (tensors move to the buckets' device at use)."""
+        """Restore what :meth:`state_dict` returned (tensors move to the buckets' device at use).
+        Every rank must load its own state of the same step (the iteration decides, with
+        ``start_iter``, whether a step is compressed)."""
+        self.iteration = int(state["iteration"])
+        self._last_step = None
         self.errors = dict(state["errors"])
         self.qs = dict(state["qs"])
 
