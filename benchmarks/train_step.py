@@ -16,6 +16,12 @@ source tree (its ``src/`` on PYTHONPATH), optionally with extra flags for that t
     python benchmarks/train_step.py --compare --thresholds 1048576 \
         --src before=/path/to/main/src --src after=src --src after-at-step=src:--synchronize-at-step
 
+Communication hooks and gradient buckets (docs/comm-hooks.md), side by side the same way:
+
+    python benchmarks/train_step.py --compare --thresholds 1048576 --src per-gradient=src \
+        --src "views=src:--bucket-view on" --src "copies=src:--comm-hook allreduce --bucket-view off"
+    mpiexec -n 2 python benchmarks/train_step.py --comm-hook powersgd --powersgd-rank 2  # + bytes
+
 On a GPU (``--device cuda``; each rank takes the GPU of its local rank modulo the GPUs present, so
 several ranks may share one with GRADSYNC_GPU_OPERATIONS=MPI), every step ends with
 ``torch.cuda.synchronize()`` so that the time covers the GPU's work; DDP then uses NCCL:
@@ -61,8 +67,25 @@ def build_model(kind: str):
     return nn.Sequential(*layers), (WIDTH,)
 
 
+def hook_options(comm_hook: str, bucket_view: str, powersgd_rank: int) -> dict:
+    """DistributedOptimizer keyword arguments for --comm-hook and --bucket-view."""
+    import gradsync
+
+    hooks = {"allreduce": gradsync.allreduce_hook, "fp16": gradsync.fp16_compress_hook,
+             "bf16": gradsync.bf16_compress_hook}
+    options = {}
+    if comm_hook == "powersgd":
+        options["comm_hook"] = gradsync.PowerSGD(rank=powersgd_rank, start_iter=0)
+    elif comm_hook != "none":
+        options["comm_hook"] = hooks[comm_hook]
+    if bucket_view != "auto":
+        options["gradient_as_bucket_view"] = bucket_view == "on"
+    return options
+
+
 def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None,
-            device: str = "cpu", batch: int = BATCH, synchronize_at_step: bool = False) -> None:
+            device: str = "cpu", batch: int = BATCH, synchronize_at_step: bool = False,
+            hooks: tuple[str, str, int] = ("none", "auto", 2), set_to_none: bool = True) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -80,6 +103,7 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
             torch.cuda.set_device(gradsync.local_rank() % torch.cuda.device_count())
             model = model.cuda()
         options = {"synchronize_in_backward": False} if synchronize_at_step else {}
+        options.update(hook_options(*hooks))
         optimizer = gradsync.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
             named_parameters=model.named_parameters(), **options)
@@ -108,7 +132,7 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss_fn(model(x), y).backward()
         optimizer.step()
         if cuda:
@@ -121,6 +145,10 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         dist.destroy_process_group()
     if rank == 0:
         print(f"median_step_ms={statistics.median(times) * 1e3:.2f}", flush=True)
+        traffic = getattr(options.get("comm_hook") if mode == "gradsync" else None, "traffic", None)
+        if traffic is not None:
+            print(f"bytes_sent_per_step={traffic.sent} uncompressed={traffic.dense} "
+                  f"ratio={traffic.dense / traffic.sent:.1f}", flush=True)
 
 
 def source_trees(specs: list[str]) -> list[tuple[str, str | None, list[str]]]:
@@ -197,13 +225,21 @@ def main() -> None:
                              "first on PYTHONPATH (and FLAGS); repeat to compare versions")
     parser.add_argument("--synchronize-at-step", action="store_true",
                         help="gradsync: DistributedOptimizer(synchronize_in_backward=False)")
+    parser.add_argument("--comm-hook", choices=["none", "allreduce", "fp16", "bf16", "powersgd"],
+                        default="none", help="gradsync: DistributedOptimizer(comm_hook=...)")
+    parser.add_argument("--bucket-view", choices=["auto", "on", "off"], default="auto",
+                        help="gradsync: gradient_as_bucket_view (auto: on with a hook)")
+    parser.add_argument("--powersgd-rank", type=int, default=2)
+    parser.add_argument("--keep-grads", action="store_true",
+                        help="zero_grad(set_to_none=False) (gradients stay bucket views)")
     args = parser.parse_args()
     if args.compare:
         compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")],
                 args.model, args.csv, source_trees(args.src))
     else:
         measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold, args.device,
-                args.batch, args.synchronize_at_step)
+                args.batch, args.synchronize_at_step,
+                (args.comm_hook, args.bucket_view, args.powersgd_rank), not args.keep_grads)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ batch. Lines marked ``# gradsync:`` are the ones that make the script data-paral
 
     mpiexec -n 2 python examples/train_digits.py             # 2 ranks
     mpiexec -n 2 python examples/train_digits.py --resume    # continue from the last checkpoint
+    mpiexec -n 2 python examples/train_digits.py --comm-hook powersgd --powersgd-rank 2
     python examples/train_digits.py                          # a single process works too
 
 Rank 0 draws a progress bar on stderr (``--no-progress``: none) and prints one line per epoch on
@@ -41,9 +42,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per process, the host's GPUs taken in turn by local_rank()")
+    parser.add_argument("--comm-hook", choices=["none", "allreduce", "fp16", "bf16", "powersgd"],
+                        default="none", help="how gradient buckets travel (docs/comm-hooks.md); "
+                        "PowerSGD's own state is not in the checkpoint: --resume restarts it")
+    parser.add_argument("--powersgd-rank", type=int, default=2,
+                        help="rank of PowerSGD's low-rank approximation of each weight matrix")
+    parser.add_argument("--powersgd-start-iter", type=int, default=10,
+                        help="steps of plain allreduce before PowerSGD starts compressing")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (rank 0 draws one on stderr, also under mpiexec)")
     return parser.parse_args()
+
+
+def comm_hook(args: argparse.Namespace):
+    """The DistributedOptimizer comm_hook that --comm-hook names (None: one allreduce per gradient)."""
+    if args.comm_hook == "powersgd":
+        return gradsync.PowerSGD(rank=args.powersgd_rank, start_iter=args.powersgd_start_iter)
+    return {"none": None, "allreduce": gradsync.allreduce_hook, "fp16": gradsync.fp16_compress_hook,
+            "bf16": gradsync.bf16_compress_hook}[args.comm_hook]
 
 
 def progress_bar(total: int, rank: int, disable: bool) -> tqdm:
@@ -99,7 +115,8 @@ def main() -> None:
     # gradsync: the batch is `size` times larger than one process's, so is the learning rate.
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
     # gradsync: gradients are averaged across ranks during backward(); step() waits for them.
-    opt = gradsync.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    opt = gradsync.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                        comm_hook=comm_hook(args))
 
     start_epoch = 0
     if args.resume and rank == 0:  # only rank 0 reads the file; the broadcasts below share it

@@ -4,7 +4,8 @@ Every public name of horovod.torch 0.28.1 is here with Horovod's signature, argu
 semantics (docs/migrating-from-horovod.md lists each one and what differs), on gradsync's
 coordinator: the collectives (differentiable, as Horovod's), ``DistributedOptimizer``,
 ``broadcast_parameters``, ``broadcast_optimizer_state``, ``SyncBatchNorm``, ``Adasum``, the build
-flags and the dynamic timeline. ``DistributedOptimizer``, ``broadcast_parameters`` and
+flags and the dynamic timeline; and gradsync's own communication hooks (``PowerSGD``).
+``DistributedOptimizer``, ``broadcast_parameters`` and
 ``broadcast_optimizer_state`` are also ``gradsync.``'s. The framework-agnostic ``gradsync``
 namespace keeps its own API (``gradsync.allreduce`` has no ``average=`` and no autograd).
 
@@ -47,6 +48,8 @@ from .basics import (
     start_timeline,
     stop_timeline,
 )
+from .buckets import Bucket
+from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .compression import Compression
 from .functions import (
     allgather_object,
@@ -84,11 +87,14 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .powersgd import PowerSGD
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     # gradsync's own, also in the gradsync namespace
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    # gradsync's communication hooks (DDP's, not Horovod's)
+    "Bucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "PowerSGD",
     # the rest of horovod.torch
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline",
     "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous",

@@ -16,6 +16,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from ..compression import Compressor
 from ..fusion import split_rows
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
+from .buckets import Bucket, Layout, cut_buckets, is_view
 from .mpi_ops import sparse_allreduce_async
 
 DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + its sparse_dim
@@ -40,6 +42,9 @@ class Reduction:
     compression: Compressor
     sparse_as_dense: bool
     process_set: ProcessSet
+    comm_hook: Any = None  # None: each gradient allreduced alone; else buckets, reduced by it
+    bucket_views: bool = False  # p.grad a view into its bucket's buffer (with comm_hook only)
+    bucket_bytes: int = 1 << 20  # a bucket's capacity (the fusion threshold)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class _Round:
     finishes: list[Callable[[], None]] = field(default_factory=list)  # after every wait
     group_ready: dict[int, int] = field(default_factory=dict)  # reduction group -> members handed
     resparsify: dict[torch.Tensor, int] = field(default_factory=dict)  # densified -> sparse_dim
+    bucket_ready: dict[int, int] = field(default_factory=dict)  # bucket -> members handed
+    bucket_waits: dict[int, Callable[[], None]] = field(default_factory=dict)  # run in bucket order
 
 
 class GradientReducer:
@@ -70,7 +77,8 @@ class GradientReducer:
         rank: this process's world rank, for messages.
 
     Parameters are added with :meth:`track`; :meth:`cut_into_groups` cuts those known then into
-    reduction groups (``groups``); parameters tracked later are reduced on their own.
+    reduction groups (``groups``), or, with a communication hook, into buckets
+    (:mod:`gradsync.torch.buckets`); parameters tracked later are reduced on their own.
     """
 
     def __init__(self, reduction: Reduction, rank: int) -> None:
@@ -78,14 +86,29 @@ class GradientReducer:
         self.rank = rank
         self.names: dict[torch.Tensor, str] = {}  # parameter -> name, in the optimizer's order
         self.groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
+        self.buckets: dict[torch.Tensor, Layout] = {}  # parameter -> its bucket (with a hook)
+        self.layouts: list[Layout] = []
+        self.rounds = 0  # rounds finished: every rank counts the same (a bucket's step)
         self._round = _Round()
         self._averaged: dict[torch.Tensor, weakref.ref] = {}  # the gradients the last round wrote
+        self._cut = False
 
     def track(self, param: torch.Tensor, name: str) -> None:
         self.names[param] = name
+        if self._cut and self.reduction.comm_hook is not None:
+            self._add_buckets([param], [])
 
     def cut_into_groups(self, groups: int | list) -> None:
+        self._cut = True
         self.groups = reduction_groups(list(self.names), groups, self.rank)
+        if self.reduction.comm_hook is not None:  # the groups become buckets
+            self._add_buckets(list(self.names), list(dict.fromkeys(m for _, m in self.groups.values())))
+            self.groups = {}
+
+    def _add_buckets(self, params: list[torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> None:
+        layouts = cut_buckets(params, self.reduction.bucket_bytes, groups, len(self.layouts))
+        self.layouts += layouts
+        self.buckets.update((param, layout) for layout in layouts for param in layout.params)
 
     def first_name(self) -> str:
         """The first parameter's name: it tells this optimizer's own collectives apart."""
@@ -117,6 +140,8 @@ class GradientReducer:
             self._round.waits.append(self._sparse_allgather(param, name, grad))
         if param in self.groups:  # a sparse member counts as ready in its group too
             self._group_member_ready(param)
+        elif param in self.buckets:  # and in its bucket (where its slot holds zeros)
+            self._bucket_member_ready(param)
         elif grad.layout == torch.strided:
             self._allreduce(param, name, grad)
 
@@ -144,7 +169,8 @@ class GradientReducer:
         else:
             self._round.waits.append(functools.partial(ops.synchronize, layouts))
         done, self._round = self._round, _Round()
-        _call_all(done.waits)
+        self.rounds += 1
+        _call_all(done.waits + [done.bucket_waits[i] for i in sorted(done.bucket_waits)])
         self._check_unchanged(done.handed)
         for finish in done.finishes:
             finish()
@@ -167,6 +193,8 @@ class GradientReducer:
             if layouts[param] == 0:  # no rank has a gradient: nothing to reduce
                 if param in self.groups:
                     self._group_member_ready(param)
+                elif param in self.buckets:
+                    self._bucket_member_ready(param)
                 continue
             if param.grad is None:
                 param.grad = _zeros(param, int(layouts[param]) - DENSE)
@@ -209,6 +237,60 @@ class GradientReducer:
                 prescale_factor=self.reduction.prescale, postscale_factor=self.reduction.postscale,
                 process_set=self.reduction.process_set)
             self._round.waits.append(functools.partial(ops.synchronize, handle))
+
+    def _bucket_member_ready(self, param: torch.Tensor) -> None:
+        """Count ``param`` ready in its bucket; the bucket's last one starts the bucket."""
+        layout = self.buckets[param]
+        ready = self._round.bucket_ready[layout.index] = self._round.bucket_ready.get(layout.index, 0) + 1
+        if ready == len(layout.params):
+            self._start_bucket(layout)
+
+    def _start_bucket(self, layout: Layout) -> None:
+        """Fill the bucket's buffer (nothing to copy where ``p.grad`` is its view already; with
+        views, ``p.grad`` becomes the view), then call the hook. The waits of the in-flight check
+        are taken now: every member's accumulation into the shared buffer is done."""
+        buffer = layout.allocate()
+        dense = []
+        for param, view in zip(layout.params, layout.views):
+            grad = param.grad
+            if grad is None or grad.layout != torch.strided:  # none on any rank, or allgathered
+                view.zero_()
+                continue
+            if not is_view(grad, view):
+                view.copy_(grad)
+                if self.reduction.bucket_views:
+                    param.grad = view
+            dense.append(param)
+        if self.reduction.bucket_views:
+            self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p in dense)
+        bucket = Bucket(layout.index, f"grad.bucket.{self.first_name()}.{layout.index}",
+                        tuple(self.names[p] for p in layout.params), _alias(buffer), layout.offsets,
+                        tuple(p.shape for p in layout.params), self.reduction.op,
+                        self.reduction.process_set, self.rounds)
+        future = self.reduction.comm_hook(bucket)
+        self._round.bucket_waits[layout.index] = functools.partial(
+            self._wait_bucket, layout, bucket, dense, future, self._round.finishes)
+
+    def _wait_bucket(self, layout: Layout, bucket: Bucket, dense: list[torch.Tensor], future,
+                     finishes: list[Callable[[], None]]) -> None:
+        result = future.wait()
+        if (not isinstance(result, torch.Tensor) or result.shape != layout.buffer.shape
+                or result.dtype != layout.buffer.dtype):
+            got = (f"a {result.dtype} tensor of shape {tuple(result.shape)}"
+                   if isinstance(result, torch.Tensor) else repr(type(result)))
+            raise TypeError(
+                f"gradsync: rank {self.rank}: the comm_hook {self.reduction.comm_hook!r} returned "
+                f"{got} from wait() for bucket {bucket.index} ({', '.join(bucket.names[:3])}); "
+                f"expected a 1-D {layout.buffer.dtype} tensor of {layout.numel} elements")
+        finishes.append(functools.partial(self._write_bucket, layout, dense, result))
+
+    def _write_bucket(self, layout: Layout, dense: list[torch.Tensor], result: torch.Tensor) -> None:
+        if result.data_ptr() != layout.buffer.data_ptr():
+            layout.buffer.copy_(result)
+        if not self.reduction.bucket_views:
+            views = dict(zip(layout.params, layout.views))
+            for param in dense:
+                param.grad.copy_(views[param])
 
     def _sparse_allgather(self, param: torch.Tensor, name: str,
                           grad: torch.Tensor) -> Callable[[], None]:

@@ -27,6 +27,7 @@ from .. import ops, runtime
 from ..compression import Compression, Compressor
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
+from .comm_hooks import CommHook, CompressedAllreduce
 from .gradients import GradientReducer, Reduction
 
 log = logging.getLogger("gradsync")
@@ -558,7 +559,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          groups: int | list[list[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set,
-                         synchronize_in_backward: bool = True) -> torch.optim.Optimizer:
+                         synchronize_in_backward: bool = True,
+                         comm_hook: CommHook | None = None,
+                         gradient_as_bucket_view: bool | None = None) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel: gradients are allreduced while backward runs.
 
     A post-accumulate-grad hook on every parameter with ``requires_grad`` starts an asynchronous
@@ -625,6 +628,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             allreduces before returning (on a GPU, the current stream waits; the host does not).
             False: Horovod's timing: ``step()`` or ``synchronize()`` waits, and gradients must not
             be read or changed before (an in-place change or a replaced ``p.grad`` raises there).
+        comm_hook: None (default): each gradient is allreduced on its own, as above. A
+            communication hook (:mod:`gradsync.torch.comm_hooks`; docs/comm-hooks.md): the
+            parameters are cut into buckets (by (device, dtype), in reverse order, up to the fusion
+            threshold, or the ``groups`` / ``num_groups`` groups), and each bucket, once all its
+            gradients are ready, is handed to ``comm_hook(bucket)`` as one flat buffer:
+            :func:`gradsync.allreduce_hook`, :func:`gradsync.fp16_compress_hook`,
+            :func:`gradsync.bf16_compress_hook`, :class:`gradsync.PowerSGD`, or your own.
+            Sparse gradients are still allgathered on their own. Not with ``compression``,
+            ``gradient_predivide_factor`` (a hook replaces both) or ``op=Adasum``.
+        gradient_as_bucket_view: each ``p.grad`` is a view into its bucket's buffer, so autograd
+            accumulates straight into it and the bucket is reduced in place with no copy (DDP's
+            ``gradient_as_bucket_view``); a gradient that is not the view (after
+            ``zero_grad(set_to_none=True)``, or a replaced ``p.grad``) is copied in once and
+            ``p.grad`` re-pointed at the view. None (default): True with a ``comm_hook``, else
+            False. True without a hook buckets the gradients with the default allreduce
+            (``compression`` and ``gradient_predivide_factor`` apply to each bucket). False with a
+            hook: gradients are copied into the buckets and the results copied back.
 
     Raises:
         ValueError: a parameter already reduced by another DistributedOptimizer (named), duplicate
@@ -636,7 +656,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             already distributed, or one whose ``step`` an LR scheduler created before wrapping has
             already replaced; a ``process_set`` that is not registered.
         NotImplementedError: ``op=Adasum`` on a process set whose size is not a power of two.
-        TypeError: ``compression`` has no ``compress``/``decompress`` methods.
+        TypeError: ``compression`` has no ``compress``/``decompress`` methods; ``comm_hook`` is
+            not callable; later (from backward()/synchronize()), a hook's ``wait()`` returned
+            something else than the bucket's flat tensor.
+        ValueError (also): ``comm_hook`` with ``compression``, ``gradient_predivide_factor`` or
+            ``op=Adasum``.
         NotInitializedError: before ``gradsync.init()``.
         RuntimeError: later, from ``backward()``, ``synchronize()`` or ``step()``: a gradient
             changed in place or ``p.grad`` replaced while its allreduce was in flight; a backward
@@ -651,18 +675,39 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     op, groups = _check_arguments(optimizer, rank, backward_passes_per_step, op,
                                   gradient_predivide_factor, num_groups, groups, compression,
                                   process_set)
+    _check_hook(rank, comm_hook, compression, gradient_predivide_factor, op)
     original = type(optimizer)
     optimizer.__class__ = _distributed_class(original)
     try:
-        reduction = Reduction(op, 1.0 / float(gradient_predivide_factor),
-                              float(gradient_predivide_factor), compression, bool(sparse_as_dense),
-                              process_set)
+        views = comm_hook is not None if gradient_as_bucket_view is None else bool(gradient_as_bucket_view)
+        prescale, postscale = 1.0 / float(gradient_predivide_factor), float(gradient_predivide_factor)
+        if comm_hook is None and views and op != ReduceOp.Adasum:
+            comm_hook = CompressedAllreduce(compression, prescale, postscale)
+        reduction = Reduction(op, prescale, postscale, compression, bool(sparse_as_dense),
+                              process_set, comm_hook=comm_hook, bucket_views=views and comm_hook is not None,
+                              bucket_bytes=runtime.get().config.fusion_threshold)
         optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), reduction,
                                   groups, bool(synchronize_in_backward))
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise
     return optimizer
+
+
+def _check_hook(rank: int, comm_hook, compression, gradient_predivide_factor, op) -> None:
+    """Refuse a ``comm_hook`` that is not callable or comes with what it replaces."""
+    if comm_hook is None:
+        return
+    if not callable(comm_hook):
+        raise TypeError(f"gradsync: rank {rank}: comm_hook={comm_hook!r} is not callable; pass a "
+                        "function hook(bucket) -> future (see gradsync.allreduce_hook)")
+    if compression is not Compression.none or gradient_predivide_factor != 1.0:
+        raise ValueError(f"gradsync: rank {rank}: comm_hook={comm_hook!r} reduces the buckets "
+                         f"itself; drop compression={compression!r} and gradient_predivide_factor="
+                         f"{gradient_predivide_factor} (use gradsync.fp16_compress_hook for fp16)")
+    if ReduceOp(op) == ReduceOp.Adasum:
+        raise ValueError(f"gradsync: rank {rank}: comm_hook={comm_hook!r} with op=Adasum: Adasum "
+                         "combines the ranks' updates, not their gradients; use one or the other")
 
 
 def _check_arguments(optimizer, rank: int, backward_passes_per_step, op, gradient_predivide_factor,
