@@ -54,6 +54,13 @@ SETTINGS: tuple[Setting, ...] = (
         "pending work it sleeps until one arrives.",
     ),
     Setting(
+        "caller_runs", parse_bool, True, "bool",
+        "A blocking op (and synchronize() of a handle whose collective has not started) runs the "
+        "negotiation cycle and the collective in the calling thread when the coordinator thread is "
+        "idle, instead of handing them to it and waiting: no thread hand-off on the fast path. "
+        "Only where the process set has moved no GPU tensor. Off: the coordinator thread runs every cycle.",
+    ),
+    Setting(
         "shutdown_timeout", float, 30.0, "seconds",
         "How long shutdown() waits for the other ranks to reach shutdown before giving up with a "
         "warning.",
@@ -129,6 +136,7 @@ class Config:
 
     fusion_threshold: int = 1 << 20
     cycle_time: float = 1.0
+    caller_runs: bool = True
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0

@@ -8,13 +8,19 @@ A cycle (:meth:`Coordinator.cycle`):
 3. for each response, build this rank's plan (:mod:`gradsync.fusion`) with the executor of its
    memory and run it (:mod:`gradsync.executors`), then complete the handles.
 
-One owner: the coordinator's state (pending entries, executors, communicators) is touched only by
-the thread running a cycle, which holds :attr:`Coordinator.lock`. Normally that is the background
+One owner at a time: the coordinator's state (pending entries, executors, communicators) is touched
+only by the thread running a cycle, which holds :attr:`Coordinator.lock`. That is the background
 thread, which sleeps on the queue's condition variable while there is nothing to do (no polling,
 PERF-NOTES.md fact 3) and cycles again after ``cycle_time`` ms while requests wait for other
-ranks. The cycle does not assume it is that thread (a blocking op may one day run it in the caller
-while the coordinator is idle). Other threads post to the queue (new entries, ``interrupt``,
-``close``) or read snapshots (:attr:`Coordinator.busy`, ``queue.pending_names()``).
+ranks; or, with ``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
+whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
+background thread is idle) it runs the cycles itself until its handle is done
+(:meth:`Coordinator.run_for`), with no hand-off to the background thread and back. Both run the
+same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles happen, never what
+a cycle decides, and a rank's cycles are matched with the other ranks' in order whichever thread
+runs them. A waiter that finds the lock taken waits on its handle's event (no spinning). Other
+threads post to the queue (new entries, ``interrupt``, ``close``) or read snapshots
+(:attr:`Coordinator.busy`, ``queue.pending_names()``).
 
 With rank failure detection on, :attr:`Coordinator.busy` says since when the cycle is inside a
 negotiation or a collective; the watchdog of :mod:`gradsync.liveness` reads it to tell a rank that
@@ -24,11 +30,12 @@ in flight there) without touching the coordinator's own state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from . import joins, liveness
 from .autotune import Autotuner
@@ -71,6 +78,9 @@ class Coordinator:
         # The coordinators of this rank's other process sets (the runtime sets it), for stall reports.
         self.neighbours: Callable[[], list[Coordinator]] = list
         self.lock = threading.Lock()  # held by the thread running a cycle
+        self.caller_runs = config.caller_runs  # read when an op is submitted
+        self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
+        self._last_cycle = time.monotonic()  # when the last cycle started (any thread)
         self.queue = TensorQueue(self.world_rank)
         check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
@@ -122,8 +132,73 @@ class Coordinator:
         """
         for entry in entries:
             self._check_device(entry)
-        self.queue.push_all(entries)
+        host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
+        for entry in entries:
+            if self.caller_runs and host:
+                entry.handle._runner = self.run_for
+        mine = self._turn == threading.get_ident()
+        if mine and not host:  # device work and join() stay on the background thread
+            self._end_turn()
+            mine = False
+        self.queue.push_all(entries, wake=not mine)  # in the caller's turn, the caller cycles
         return [entry.handle for entry in entries]
+
+    @contextlib.contextmanager
+    def caller_turn(self) -> Iterator[None]:
+        """Around a blocking op's submission and wait (ops.py): with caller runs, if the background
+        thread is idle, this thread takes :attr:`lock` first, so that the push wakes nobody and
+        :meth:`run_for` cycles here at once. Otherwise (lock taken, caller runs off, a GPU set) it
+        does nothing and the op waits as an asynchronous one would."""
+        if (not self.caller_runs or self.device.device is not None
+                or not self.lock.acquire(blocking=False)):
+            yield
+            return
+        self._turn = threading.get_ident()
+        try:
+            yield
+        finally:
+            if self._turn == threading.get_ident():
+                self._end_turn()
+
+    def _end_turn(self) -> None:
+        """End a caller's turn. Requests left waiting for other ranks need the background thread's
+        next cycle, whose wait was timed before them: wake it (else it sleeps on, as it should)."""
+        left = bool(self._pending)
+        self._turn = None
+        self.lock.release()
+        if left:
+            self.queue.wake()
+
+    def run_for(self, handle: Handle) -> None:
+        """Caller runs: from the thread about to wait for ``handle``, run cycles until it is done,
+        if this thread holds :attr:`lock` in its turn (:meth:`caller_turn`) or takes it now (the
+        background thread is idle), and this set has moved no GPU tensor (device work stays on the
+        background thread, whose GPU binding and streams it is); else return at once and let the
+        caller wait on the handle's event. Never raises: a failed cycle fails the handles, as on
+        the background thread, and the background thread then stops."""
+        if self._turn == threading.get_ident():
+            self._cycle_until(handle)
+            return
+        if self.device.device is not None or not self.lock.acquire(blocking=False):
+            return
+        self._turn = threading.get_ident()
+        try:
+            self._cycle_until(handle)
+        finally:
+            self._end_turn()
+
+    def _cycle_until(self, handle: Handle) -> None:
+        while not handle.done() and self.device.device is None:
+            if not self._guarded_cycle():
+                return
+
+    def _guarded_cycle(self) -> bool:
+        """:meth:`cycle` in a caller's thread: an exception is handled as the background thread's."""
+        try:
+            return self.cycle()
+        except BaseException as exc:  # noqa: BLE001 - it fails every handle, as on the background thread
+            self._crashed(exc)
+            return False
 
     def _check_device(self, entry: Entry) -> None:
         if entry.runtime is not None:
@@ -151,14 +226,15 @@ class Coordinator:
     def _run(self) -> None:
         """The background thread: wait for work (or the cycle time, or the heartbeat), cycle."""
         crashed = False
-        timeout = self._heartbeat
+        timeout, wakes = self._heartbeat, self.queue.wakes
         try:
             while True:
-                self.queue.wait(timeout)
-                with self.lock:
-                    if not self.cycle():
+                self.queue.wait(timeout, wakes)
+                with self.lock:  # a caller that ran cycles meanwhile wakes it after releasing it
+                    wakes = self.queue.wakes
+                    if self._due() and not self.cycle():
                         return
-                    timeout = self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
+                    timeout = self._next_wait()
         except BaseException as exc:  # the thread must never die silently
             crashed = True
             self._crashed(exc)
@@ -173,6 +249,7 @@ class Coordinator:
         has stopped. The caller holds :attr:`lock` (any thread may, one at a time)."""
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
+        self._last_cycle = time.monotonic()
         entries, shutdown = self.queue.take()
         device_failed = self.device.error  # this cycle tells the others; the next one stops
         for entry in entries:
@@ -194,6 +271,25 @@ class Coordinator:
             if proposal is not None:
                 self.negotiator.propose(proposal)
         return self._carry_on(reply, device_failed)
+
+    def _interval(self) -> float | None:
+        """Seconds from one cycle to the next without new work: the cycle time while requests wait
+        for other ranks, else the heartbeat (None: none)."""
+        return self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
+
+    def _due(self) -> bool:
+        """Whether the background thread, woken, runs a cycle now: new work, a stop, or the
+        interval since the last cycle (which a caller may have run meanwhile) has passed."""
+        interval = self._interval()
+        return (self.queue.has_work() or
+                (interval is not None and time.monotonic() - self._last_cycle >= interval))
+
+    def _next_wait(self) -> float | None:
+        """How long the background thread sleeps before its next cycle, unless woken."""
+        interval = self._interval()
+        if interval is None:
+            return None
+        return max(0.0, self._last_cycle + interval - time.monotonic())
 
     def _stall_due(self, now_ns: int) -> bool:
         """Whether this rank asks for a stall report in this cycle."""

@@ -33,7 +33,7 @@ from mpi4py import MPI
 from . import fusion
 from .config import Config
 from .protocol import CycleReply, Kind, RankMessage, Request, Response
-from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits
+from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits, set_bits
 from .stall_inspector import StallInspector
 
 _UNCACHED_FLAG, _SHUTDOWN_FLAG, _STALL_FLAG = 1, 2, 4
@@ -413,14 +413,15 @@ class Negotiator:
         sizes: list[int] = []
         groups: dict[str, list[Request]] = {}
         waiting = self._waiting
-        for bit in iter_bits(ready):
+        bits = set_bits(ready)
+        for bit, (cached, size) in zip(bits, self.cache.entries(bits)):
             # A joined rank has no request of its own: the cached one stands in for it.
-            request = waiting.pop(bit, None) or self.cache.request(bit)
+            request = waiting.pop(bit, None) or cached
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
             elif request.kind == Kind.ALLREDUCE:
                 allreduces.append(request)
-                sizes.append(self.cache.nbytes(bit))
+                sizes.append(size)
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
         self._ready_bits &= ~ready
