@@ -85,6 +85,8 @@ class Coordinator:
         check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
+        # The entries the last cycle completed, released when the next cycle starts; see _retire.
+        self._retired: list[Entry] = []
         self._join_divisor = config.join_divisor
         failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
@@ -250,6 +252,7 @@ class Coordinator:
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
         self._last_cycle = time.monotonic()
+        self._retired = []  # the memory of the last cycle's tensors may go now (see _retire)
         entries, shutdown = self.queue.take()
         device_failed = self.device.error  # this cycle tells the others; the next one stops
         for entry in entries:
@@ -445,8 +448,21 @@ class Coordinator:
         for entry in entries:
             self.negotiator.completed(entry.request)
             entry.handle._set_result(entry.result, executed.completion)
+        self._retire(entries)
         if self._autotuner is not None and response.kind == Kind.ALLREDUCE and executed.completion is None:
             self._autotuner.record(sum(entry.source.nbytes for entry in entries))
+
+    def _retire(self, entries: list[Entry]) -> None:
+        """Keep the completed ``entries`` (and so their tensors' memory) referenced until the next
+        cycle starts. A training loop frees its gradients right after the step
+        (``zero_grad(set_to_none=True)``); freed then, at the top of glibc's heap, 50 MB of them
+        are returned to the system (heap trimming) and the next backward page-faults them back
+        in (+25 ms per step on the MLP of benchmarks/train_step.py, 14k faults). Released at the
+        next cycle, which the next backward's first gradient starts, they are freed below the
+        new gradients and their pages are reused. The coordinator before the engine refactor
+        held them so by accident (a loop variable); docs/architecture.md, "Memory of completed
+        tensors"."""
+        self._retired.extend(entries)
 
     def _failed(self, response: Response, entries: list[Entry], names: list[str],
                 exc: Exception) -> None:
