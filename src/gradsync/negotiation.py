@@ -305,12 +305,15 @@ class Negotiator:
         self.full_cycles = self.cached_cycles = 0
 
     def cycle(self, requests: list[Request], shutdown: bool, stall: bool = False,
-              pending: Callable[[], tuple[tuple[str, float, int | None], ...]] = tuple) -> CycleReply:
+              pending: Callable[[], tuple[tuple[str, float, int | None], ...]] = tuple,
+              wait: Callable[[MPI.Request], None] | None = None) -> CycleReply:
         """Negotiate one cycle with every rank; returns the responses all ranks will execute, in order.
 
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
         for (name, seconds waited, None) and what it waits for on its other process sets
-        (name, 0.0, process set id), sent when a report is being made.
+        (name, 0.0, process set id), sent when a report is being made. ``wait``: the cached
+        exchange is started nonblocking (MPI_Iallreduce) and ``wait(request)`` completes it (it
+        may raise to abandon the cycle); None: a blocking MPI_Allreduce.
         """
         if self._partial or any(map(_GROUP, requests)):
             requests = self._whole_groups(requests)
@@ -341,7 +344,7 @@ class Negotiator:
                     self._ready_bits |= 1 << bit
                     self._waiting[bit] = request
         ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
-            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
+            invalid, bool(uncached) or self._proposal is not None, shutdown, stall, wait)
         for bit in iter_bits(invalid):
             self.forget(bit)
             self.cache.evict(bit)
@@ -389,7 +392,8 @@ class Negotiator:
                 for other in [b for b, r in self._waiting.items() if r.group == request.group]:
                     self.forget(other)
 
-    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool, stall: bool):
+    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool, stall: bool,
+                  wait: Callable[[MPI.Request], None] | None = None):
         """One AND allreduce: [ready bits | inverted invalid bits | inverted flags]."""
         words = self._words
         vector = self._vector
@@ -400,7 +404,10 @@ class Negotiator:
         flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
                  | (_STALL_FLAG if stall else 0))
         vector[-1] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
-        self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
+        if wait is None:
+            self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
+        else:
+            wait(self.comm.Iallreduce(MPI.IN_PLACE, vector, op=MPI.BAND))
         ready = int.from_bytes(vector[:words].tobytes(), "little")
         invalid_any = self._all_ones ^ int.from_bytes(vector[words:2 * words].tobytes(), "little")
         common_flags = ~int(vector[-1])
