@@ -296,6 +296,8 @@ class Negotiator:
         self._words = math.ceil(config.cache_capacity / 64)
         self._all_ones = (1 << (64 * self._words)) - 1
         self._vector = np.empty(2 * self._words + 1, np.uint64)
+        self._raw = memoryview(self._vector).cast("B")
+        self._ones = bits_to_words(self._all_ones, self._words)  # no invalid bit
         self._ready_bits = 0  # cached requests ready on this rank, waiting for the others
         self._waiting: dict[int, Request] = {}  # bit -> this rank's request behind it
         self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
@@ -311,9 +313,9 @@ class Negotiator:
 
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
         for (name, seconds waited, None) and what it waits for on its other process sets
-        (name, 0.0, process set id), sent when a report is being made. ``wait``: the cached
-        exchange is started nonblocking (MPI_Iallreduce) and ``wait(request)`` completes it (it
-        may raise to abandon the cycle); None: a blocking MPI_Allreduce.
+        (name, 0.0, process set id), sent when a report is being made. The cached exchange is an
+        MPI_Iallreduce (on every rank, whichever thread runs the cycle); ``wait(request)`` completes it (it
+        may raise to abandon the cycle); None: MPI_Wait.
         """
         if self._partial or any(map(_GROUP, requests)):
             requests = self._whole_groups(requests)
@@ -399,18 +401,23 @@ class Negotiator:
         vector = self._vector
         # A joined rank stands in for every cached collective: the others alone decide what is ready.
         ready_bits = self._all_ones if self.rank in self.joined else self._ready_bits
-        vector[:words] = np.frombuffer(bits_to_words(ready_bits, words), np.uint64)
-        vector[words:2 * words] = np.frombuffer(bits_to_words(self._all_ones ^ invalid, words), np.uint64)
+        raw, half = self._raw, 8 * words  # the vector's bytes: ints in and out without numpy calls
+        raw[:half] = bits_to_words(ready_bits, words)
+        raw[half:2 * half] = bits_to_words(self._all_ones ^ invalid, words) if invalid else self._ones
         flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
                  | (_STALL_FLAG if stall else 0))
-        vector[-1] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
+        raw[2 * half:] = (~flags & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+        # Always the nonblocking form: MPI never matches a nonblocking collective with a blocking
+        # one, and the ranks' cycles may run in different threads (caller runs) with different waits.
+        request = self.comm.Iallreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
         if wait is None:
-            self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
+            request.Wait()
         else:
-            wait(self.comm.Iallreduce(MPI.IN_PLACE, vector, op=MPI.BAND))
-        ready = int.from_bytes(vector[:words].tobytes(), "little")
-        invalid_any = self._all_ones ^ int.from_bytes(vector[words:2 * words].tobytes(), "little")
-        common_flags = ~int(vector[-1])
+            wait(request)
+        ready = int.from_bytes(raw[:half], "little")
+        kept = raw[half:2 * half]
+        invalid_any = 0 if kept == self._ones else self._all_ones ^ int.from_bytes(kept, "little")
+        common_flags = ~int.from_bytes(raw[2 * half:], "little")
         return (ready, invalid_any, bool(common_flags & _UNCACHED_FLAG),
                 bool(common_flags & _SHUTDOWN_FLAG), bool(common_flags & _STALL_FLAG))
 
