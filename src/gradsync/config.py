@@ -58,7 +58,10 @@ SETTINGS: tuple[Setting, ...] = (
         "A blocking op (and synchronize() of a handle whose collective has not started) runs the "
         "negotiation cycle and the collective in the calling thread when the coordinator thread is "
         "idle, instead of handing them to it and waiting: no thread hand-off on the fast path. "
-        "Only where the process set has moved no GPU tensor. Off: the coordinator thread runs every cycle.",
+        "Only where the process set has moved no GPU tensor, and only with rank failure detection off "
+        "(GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS=0) or on one rank: a rank lost while a caller is inside a "
+        "blocking MPI call would leave that thread blocked for good. Off: the coordinator thread runs "
+        "every cycle.",
     ),
     Setting(
         "shutdown_timeout", float, 30.0, "seconds",

@@ -56,9 +56,6 @@ from .timeline import open_for, record_collective
 log = logging.getLogger("gradsync")
 
 
-class _Abandoned(Exception):
-    """A caller's cycle gave up waiting for the other ranks: gradsync was stopped meanwhile."""
-
 
 class Coordinator:
     """The coordinator of one process set; see the module docstring.
@@ -92,9 +89,10 @@ class Coordinator:
         self._retired: list[Entry] = []
         self._join_divisor = config.join_divisor
         failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
-        # Read when an op is submitted. Off where a caller could block in MPI for good: failure
-        # detection on and no response cache (the full negotiation is a blocking gather).
-        self.caller_runs = config.caller_runs and (config.cache_capacity > 0 or failure_timeout == 0)
+        # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
+        # is inside a blocking MPI call would leave that thread blocked for good, where the
+        # watchdog's verdict can fail only threads that wait on a handle (docs/architecture.md).
+        self.caller_runs = config.caller_runs and failure_timeout == 0
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
         # (time.monotonic() at entry, what) while inside a cycle or a collective; read by the watchdog.
         self.busy: tuple[float, object] | None = None
@@ -204,9 +202,6 @@ class Coordinator:
         """:meth:`cycle` in a caller's thread: an exception is handled as the background thread's."""
         try:
             return self.cycle()
-        except _Abandoned:  # the watchdog stopped gradsync while this thread waited for the others
-            self.busy = None
-            return False
         except BaseException as exc:  # noqa: BLE001 - it fails every handle, as on the background thread
             self._crashed(exc)
             return False
@@ -270,7 +265,7 @@ class Coordinator:
         stall = self._stall_due(started_ns)
         self.busy = (time.monotonic(), "a negotiation cycle")
         reply = self.negotiator.cycle([e.request for e in entries], shutdown or bool(device_failed),
-                                      stall, self._pending_ages, self._exchange_wait())
+                                      stall, self._pending_ages)
         self.busy = None
         replied_ns = time.perf_counter_ns()
         if self.timeline is not None and (entries or reply.responses):
@@ -283,31 +278,6 @@ class Coordinator:
             if proposal is not None:
                 self.negotiator.propose(proposal)
         return self._carry_on(reply, device_failed)
-
-    def _exchange_wait(self) -> Callable | None:
-        """How a caller's cycle waits for the other ranks in the cached exchange when rank failure
-        detection is on: interruptibly (:meth:`_wait_interruptibly`), so that a lost rank's
-        verdict reaches the caller; None (a blocking MPI call) on the background thread, whose
-        waiters the verdict fails from outside."""
-        if self._watchdog is None or self._turn != threading.get_ident():
-            return None
-        return self._wait_interruptibly
-
-    def _wait_interruptibly(self, request) -> None:
-        """Complete ``request``: spin on MPI_Test for 100 us (the other ranks are usually there:
-        PERF-NOTES.md fact 2), then test after sleeps growing to 1 ms, until it completes or the
-        queue is closed (the watchdog's verdict: every handle has failed; the cycle is abandoned
-        and the communicator is never used again)."""
-        spin_until = time.perf_counter() + 100e-6
-        while time.perf_counter() < spin_until:
-            if request.Test():
-                return
-        pause = 50e-6
-        while not request.Test():
-            if self.queue.closed:
-                raise _Abandoned()
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
 
     def _interval(self) -> float | None:
         """Seconds from one cycle to the next without new work: the cycle time while requests wait

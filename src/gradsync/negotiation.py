@@ -307,15 +307,12 @@ class Negotiator:
         self.full_cycles = self.cached_cycles = 0
 
     def cycle(self, requests: list[Request], shutdown: bool, stall: bool = False,
-              pending: Callable[[], tuple[tuple[str, float, int | None], ...]] = tuple,
-              wait: Callable[[MPI.Request], None] | None = None) -> CycleReply:
+              pending: Callable[[], tuple[tuple[str, float, int | None], ...]] = tuple) -> CycleReply:
         """Negotiate one cycle with every rank; returns the responses all ranks will execute, in order.
 
         ``stall``: this rank asks rank 0 for a stall report; ``pending()`` lists what this rank waits
         for (name, seconds waited, None) and what it waits for on its other process sets
-        (name, 0.0, process set id), sent when a report is being made. The cached exchange is an
-        MPI_Iallreduce (on every rank, whichever thread runs the cycle); ``wait(request)`` completes it (it
-        may raise to abandon the cycle); None: MPI_Wait.
+        (name, 0.0, process set id), sent when a report is being made.
         """
         if self._partial or any(map(_GROUP, requests)):
             requests = self._whole_groups(requests)
@@ -346,7 +343,7 @@ class Negotiator:
                     self._ready_bits |= 1 << bit
                     self._waiting[bit] = request
         ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
-            invalid, bool(uncached) or self._proposal is not None, shutdown, stall, wait)
+            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
         for bit in iter_bits(invalid):
             self.forget(bit)
             self.cache.evict(bit)
@@ -394,8 +391,7 @@ class Negotiator:
                 for other in [b for b, r in self._waiting.items() if r.group == request.group]:
                     self.forget(other)
 
-    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool, stall: bool,
-                  wait: Callable[[MPI.Request], None] | None = None):
+    def _exchange(self, invalid: int, has_uncached: bool, shutdown: bool, stall: bool):
         """One AND allreduce: [ready bits | inverted invalid bits | inverted flags]."""
         words = self._words
         vector = self._vector
@@ -407,13 +403,7 @@ class Negotiator:
         flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
                  | (_STALL_FLAG if stall else 0))
         raw[2 * half:] = (~flags & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-        # Always the nonblocking form: MPI never matches a nonblocking collective with a blocking
-        # one, and the ranks' cycles may run in different threads (caller runs) with different waits.
-        request = self.comm.Iallreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
-        if wait is None:
-            request.Wait()
-        else:
-            wait(request)
+        self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
         ready = int.from_bytes(raw[:half], "little")
         kept = raw[half:2 * half]
         invalid_any = 0 if kept == self._ones else self._all_ones ^ int.from_bytes(kept, "little")
