@@ -42,6 +42,8 @@ class Handle:
 
         For device tensors this returns once the collective is enqueued, after making the caller's
         current CUDA stream wait for it (cudaStreamWaitEvent; the host does not wait for the GPU).
+        With caller runs (``GRADSYNC_CALLER_RUNS``) and no ``timeout``, a host collective that has
+        not run yet is negotiated and run in this thread if the coordinator thread is idle.
 
         Args:
             timeout: seconds to wait at most; ``None`` waits until it finishes.
