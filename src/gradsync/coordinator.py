@@ -80,7 +80,7 @@ class Coordinator:
         self.neighbours: Callable[[], list[Coordinator]] = list
         self.lock = threading.Lock()  # held by the thread running a cycle
         self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
-        self._last_cycle = time.monotonic()  # when the last cycle started (any thread)
+        self._last_cycle = time.monotonic()  # when the last cycle ended (any thread)
         self.queue = TensorQueue(self.world_rank)
         check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
@@ -252,10 +252,16 @@ class Coordinator:
 
     def cycle(self) -> bool:
         """One negotiation cycle and the execution of its responses; False once this coordinator
-        has stopped. The caller holds :attr:`lock` (any thread may, one at a time)."""
+        has stopped. The caller holds :attr:`lock` (any thread may, one at a time). The next
+        cycle without new work is timed from its end (:attr:`_last_cycle`), as it always was."""
+        try:
+            return self._cycle()
+        finally:
+            self._last_cycle = time.monotonic()
+
+    def _cycle(self) -> bool:
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
-        self._last_cycle = time.monotonic()
         self._retired = []  # the memory of the last cycle's tensors may go now (see _retire)
         entries, shutdown = self.queue.take()
         device_failed = self.device.error  # this cycle tells the others; the next one stops
