@@ -75,7 +75,7 @@ def plot_collectives(files: list[str], out: str) -> list[str]:
 
 
 def plot_train(files: list[str], out: str) -> list[str]:
-    order = {"mlp": 0, "cnn": 1}
+    order = {"mlp": 0, "cnn": 1, "transformer": 2}
     tables = [benchenv.read_csv(path) for path in files]
     tables.sort(key=lambda table: (order.get(table[1][0]["model"], 2), table[1][0]["model"]))
     fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.5), squeeze=False)

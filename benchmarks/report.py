@@ -100,7 +100,7 @@ def negotiation_section(files: list[str]) -> str:
 
 
 def train_section(files: list[str]) -> str:
-    order = {"mlp": 0, "cnn": 1}
+    order = {"mlp": 0, "cnn": 1, "transformer": 2}
     tables = [benchenv.read_csv(path) for path in files]
     tables.sort(key=lambda t: (order.get(t[1][0]["model"], 2), t[1][0]["model"], int(t[1][0]["ranks"])))
     parts = []

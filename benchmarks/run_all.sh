@@ -49,7 +49,7 @@ echo "== collectives.py --idle-impact, $RANKS ranks"
 echo "== negotiation.py --compare, $RANKS ranks"
 "$PYTHON" benchmarks/negotiation.py --compare --ranks "$RANKS" --repeats "$REPEATS" "${NEGOTIATION[@]}" \
     --csv "$RESULTS/negotiation-$RANKS.csv"
-for model in mlp cnn; do
+for model in mlp cnn transformer; do
     echo "== train_step.py --compare --model $model, $RANKS ranks"
     "$PYTHON" benchmarks/train_step.py --compare --model "$model" --ranks "$RANKS" --repeats "$REPEATS" \
         "${TRAIN[@]}" --csv "$RESULTS/train-$model-$RANKS.csv"

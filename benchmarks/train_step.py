@@ -34,6 +34,9 @@ Models (--model), batch 32 per rank, SGD with momentum, torch.set_num_threads(1)
   cnn: 3 x (Conv2d 3x3 + ReLU + MaxPool2d(2)) with 32/64/128 channels on 3x32x32 inputs, then
        Linear(2048, 256) + ReLU + Linear(256, 10) (10 tensors, 0.62 M parameters): far less to
        reduce per unit of compute than the MLP.
+  transformer: a small encoder, Embedding(1000, 64) + 24 x TransformerEncoderLayer(64, 4 heads,
+       feed-forward 256, no dropout) + mean over the 16 tokens + Linear(64, 10) (291 tensors,
+       1.27 M parameters): many small gradients, where the fixed cost per tensor shows.
 Prints the median step time in milliseconds.
 """
 
@@ -47,6 +50,7 @@ import sys
 import time
 
 MODEL_LAYERS, WIDTH, BATCH = 24, 768, 32
+VOCAB, TOKENS, D_MODEL = 1000, 16, 64  # the transformer's vocabulary, sequence length and width
 
 
 def build_model(kind: str):
@@ -60,6 +64,8 @@ def build_model(kind: str):
             layers += [nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
         layers += [nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10)]
         return nn.Sequential(*layers), (3, 32, 32)
+    if kind == "transformer":
+        return _Transformer(), (TOKENS,)
     layers = []
     for _ in range(MODEL_LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
@@ -81,6 +87,26 @@ def hook_options(comm_hook: str, bucket_view: str, powersgd_rank: int) -> dict:
     if bucket_view != "auto":
         options["gradient_as_bucket_view"] = bucket_view == "on"
     return options
+
+
+def _Transformer():
+    """The small transformer encoder of the module docstring (token ids in, 10 logits out)."""
+    import torch
+
+    nn = torch.nn
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, D_MODEL)
+            layer = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, MODEL_LAYERS, enable_nested_tensor=False)
+            self.head = nn.Linear(D_MODEL, 10)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+    return Transformer()
 
 
 def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None,
@@ -125,7 +151,9 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
     else:
         model = model.cuda() if cuda else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(batch, *sample_shape), torch.randint(0, 10, (batch,))
+    x = (torch.randint(0, VOCAB, (batch, *sample_shape)) if model_kind == "transformer"
+         else torch.randn(batch, *sample_shape))
+    y = torch.randint(0, 10, (batch,))
     if cuda:
         x, y = x.cuda(), y.cuda()
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -208,7 +236,7 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["single", "gradsync", "ddp"], default="gradsync")
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "cnn", "transformer"], default="mlp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--fusion-threshold", type=int, default=None, help="bytes")

@@ -59,6 +59,16 @@ SETTINGS: tuple[Setting, ...] = (
         horovod="HOROVOD_CYCLE_TIME",
     ),
     Setting(
+        "caller_runs", parse_bool, True, "bool",
+        "A blocking op (and synchronize() of a handle whose collective has not started) runs the "
+        "negotiation cycle and the collective in the calling thread when the coordinator thread is "
+        "idle, instead of handing them to it and waiting: no thread hand-off on the fast path. "
+        "Only where the process set has moved no GPU tensor, and only with rank failure detection off "
+        "(GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS=0) or on one rank: a rank lost while a caller is inside a "
+        "blocking MPI call would leave that thread blocked for good. Off: the coordinator thread runs "
+        "every cycle.",
+    ),
+    Setting(
         "shutdown_timeout", float, 30.0, "seconds",
         "How long shutdown() waits for the other ranks to reach shutdown before giving up with a "
         "warning.",
@@ -161,6 +171,7 @@ class Config:
 
     fusion_threshold: int = 1 << 20
     cycle_time: float = 1.0
+    caller_runs: bool = True
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0

@@ -8,13 +8,19 @@ A cycle (:meth:`Coordinator.cycle`):
 3. for each response, build this rank's plan (:mod:`gradsync.fusion`) with the executor of its
    memory and run it (:mod:`gradsync.executors`), then complete the handles.
 
-One owner: the coordinator's state (pending entries, executors, communicators) is touched only by
-the thread running a cycle, which holds :attr:`Coordinator.lock`. Normally that is the background
+One owner at a time: the coordinator's state (pending entries, executors, communicators) is touched
+only by the thread running a cycle, which holds :attr:`Coordinator.lock`. That is the background
 thread, which sleeps on the queue's condition variable while there is nothing to do (no polling,
 PERF-NOTES.md fact 3) and cycles again after ``cycle_time`` ms while requests wait for other
-ranks. The cycle does not assume it is that thread (a blocking op may one day run it in the caller
-while the coordinator is idle). Other threads post to the queue (new entries, ``interrupt``,
-``close``) or read snapshots (:attr:`Coordinator.busy`, ``queue.pending_names()``).
+ranks; or, with ``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
+whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
+background thread is idle) it runs the cycles itself until its handle is done
+(:meth:`Coordinator.run_for`), with no hand-off to the background thread and back. Both run the
+same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles happen, never what
+a cycle decides, and a rank's cycles are matched with the other ranks' in order whichever thread
+runs them. A waiter that finds the lock taken waits on its handle's event (no spinning). Other
+threads post to the queue (new entries, ``interrupt``, ``close``) or read snapshots
+(:attr:`Coordinator.busy`, ``queue.pending_names()``).
 
 With rank failure detection on, :attr:`Coordinator.busy` says since when the cycle is inside a
 negotiation or a collective; the watchdog of :mod:`gradsync.liveness` reads it to tell a rank that
@@ -24,11 +30,12 @@ in flight there) without touching the coordinator's own state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from . import joins, liveness
 from .autotune import Autotuner
@@ -47,6 +54,7 @@ from .stall_inspector import StallClock, heartbeat_interval, pending_ages
 from .timeline import open_for, record_collective
 
 log = logging.getLogger("gradsync")
+
 
 
 class Coordinator:
@@ -71,12 +79,20 @@ class Coordinator:
         # The coordinators of this rank's other process sets (the runtime sets it), for stall reports.
         self.neighbours: Callable[[], list[Coordinator]] = list
         self.lock = threading.Lock()  # held by the thread running a cycle
+        self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
+        self._last_cycle = time.monotonic()  # when the last cycle ended (any thread)
         self.queue = TensorQueue(self.world_rank)
         check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
+        # The entries the last cycle completed, released when the next cycle starts; see _retire.
+        self._retired: list[Entry] = []
         self._join_divisor = config.join_divisor
         failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
+        # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
+        # is inside a blocking MPI call would leave that thread blocked for good, where the
+        # watchdog's verdict can fail only threads that wait on a handle (docs/architecture.md).
+        self.caller_runs = config.caller_runs and failure_timeout == 0
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
         # (time.monotonic() at entry, what) while inside a cycle or a collective; read by the watchdog.
         self.busy: tuple[float, object] | None = None
@@ -122,7 +138,15 @@ class Coordinator:
         """
         for entry in entries:
             self._check_device(entry)
-        self.queue.push_all(entries)
+        host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
+        for entry in entries:
+            if self.caller_runs and host:
+                entry.handle._runner = self.run_for
+        mine = self._turn == threading.get_ident()
+        if mine and not host:  # device work and join() stay on the background thread
+            self._end_turn()
+            mine = False
+        self.queue.push_all(entries, wake=not mine)  # in the caller's turn, the caller cycles
         return [entry.handle for entry in entries]
 
     def replace_timeline(self, timeline) -> None:
@@ -136,6 +160,63 @@ class Coordinator:
             self.timeline = self.device.timeline = timeline
         if old is not None and old is not timeline:
             old.close()
+
+    @contextlib.contextmanager
+    def caller_turn(self) -> Iterator[None]:
+        """Around a blocking op's submission and wait (ops.py): with caller runs, if the background
+        thread is idle, this thread takes :attr:`lock` first, so that the push wakes nobody and
+        :meth:`run_for` cycles here at once. Otherwise (lock taken, caller runs off, a GPU set) it
+        does nothing and the op waits as an asynchronous one would."""
+        if (not self.caller_runs or self.device.device is not None
+                or not self.lock.acquire(blocking=False)):
+            yield
+            return
+        self._turn = threading.get_ident()
+        try:
+            yield
+        finally:
+            if self._turn == threading.get_ident():
+                self._end_turn()
+
+    def _end_turn(self) -> None:
+        """End a caller's turn. Requests left waiting for other ranks need the background thread's
+        next cycle, whose wait was timed before them: wake it (else it sleeps on, as it should)."""
+        left = bool(self._pending)
+        self._turn = None
+        self.lock.release()
+        if left:
+            self.queue.wake()
+
+    def run_for(self, handle: Handle) -> None:
+        """Caller runs: from the thread about to wait for ``handle``, run cycles until it is done,
+        if this thread holds :attr:`lock` in its turn (:meth:`caller_turn`) or takes it now (the
+        background thread is idle), and this set has moved no GPU tensor (device work stays on the
+        background thread, whose GPU binding and streams it is); else return at once and let the
+        caller wait on the handle's event. Never raises: a failed cycle fails the handles, as on
+        the background thread, and the background thread then stops."""
+        if self._turn == threading.get_ident():
+            self._cycle_until(handle)
+            return
+        if self.device.device is not None or not self.lock.acquire(blocking=False):
+            return
+        self._turn = threading.get_ident()
+        try:
+            self._cycle_until(handle)
+        finally:
+            self._end_turn()
+
+    def _cycle_until(self, handle: Handle) -> None:
+        while not handle.done() and self.device.device is None:
+            if not self._guarded_cycle():
+                return
+
+    def _guarded_cycle(self) -> bool:
+        """:meth:`cycle` in a caller's thread: an exception is handled as the background thread's."""
+        try:
+            return self.cycle()
+        except BaseException as exc:  # noqa: BLE001 - it fails every handle, as on the background thread
+            self._crashed(exc)
+            return False
 
     def _check_device(self, entry: Entry) -> None:
         if entry.runtime is not None:
@@ -163,14 +244,15 @@ class Coordinator:
     def _run(self) -> None:
         """The background thread: wait for work (or the cycle time, or the heartbeat), cycle."""
         crashed = False
-        timeout = self._heartbeat
+        timeout, wakes = self._heartbeat, self.queue.wakes
         try:
             while True:
-                self.queue.wait(timeout)
-                with self.lock:
-                    if not self.cycle():
+                self.queue.wait(timeout, wakes)
+                with self.lock:  # a caller that ran cycles meanwhile wakes it after releasing it
+                    wakes = self.queue.wakes
+                    if self._due() and not self.cycle():
                         return
-                    timeout = self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
+                    timeout = self._next_wait()
         except BaseException as exc:  # the thread must never die silently
             crashed = True
             self._crashed(exc)
@@ -182,9 +264,17 @@ class Coordinator:
 
     def cycle(self) -> bool:
         """One negotiation cycle and the execution of its responses; False once this coordinator
-        has stopped. The caller holds :attr:`lock` (any thread may, one at a time)."""
+        has stopped. The caller holds :attr:`lock` (any thread may, one at a time). The next
+        cycle without new work is timed from its end (:attr:`_last_cycle`), as it always was."""
+        try:
+            return self._cycle()
+        finally:
+            self._last_cycle = time.monotonic()
+
+    def _cycle(self) -> bool:
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
+        self._retired = []  # the memory of the last cycle's tensors may go now (see _retire)
         entries, shutdown = self.queue.take()
         device_failed = self.device.error  # this cycle tells the others; the next one stops
         for entry in entries:
@@ -206,6 +296,25 @@ class Coordinator:
             if proposal is not None:
                 self.negotiator.propose(proposal)
         return self._carry_on(reply, device_failed)
+
+    def _interval(self) -> float | None:
+        """Seconds from one cycle to the next without new work: the cycle time while requests wait
+        for other ranks, else the heartbeat (None: none)."""
+        return self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
+
+    def _due(self) -> bool:
+        """Whether the background thread, woken, runs a cycle now: new work, a stop, or the
+        interval since the last cycle (which a caller may have run meanwhile) has passed."""
+        interval = self._interval()
+        return (self.queue.has_work() or
+                (interval is not None and time.monotonic() - self._last_cycle >= interval))
+
+    def _next_wait(self) -> float | None:
+        """How long the background thread sleeps before its next cycle, unless woken."""
+        interval = self._interval()
+        if interval is None:
+            return None
+        return max(0.0, self._last_cycle + interval - time.monotonic())
 
     def _stall_due(self, now_ns: int) -> bool:
         """Whether this rank asks for a stall report in this cycle."""
@@ -361,8 +470,21 @@ class Coordinator:
         for entry in entries:
             self.negotiator.completed(entry.request)
             entry.handle._set_result(entry.result, executed.completion)
+        self._retire(entries)
         if self._autotuner is not None and response.kind == Kind.ALLREDUCE and executed.completion is None:
             self._autotuner.record(sum(entry.source.nbytes for entry in entries))
+
+    def _retire(self, entries: list[Entry]) -> None:
+        """Keep the completed ``entries`` (and so their tensors' memory) referenced until the next
+        cycle starts. A training loop frees its gradients right after the step
+        (``zero_grad(set_to_none=True)``); freed then, at the top of glibc's heap, 50 MB of them
+        are returned to the system (heap trimming) and the next backward page-faults them back
+        in (+25 ms per step on the MLP of benchmarks/train_step.py, 14k faults). Released at the
+        next cycle, which the next backward's first gradient starts, they are freed below the
+        new gradients and their pages are reused. The coordinator before the engine refactor
+        held them so by accident (a loop variable); docs/architecture.md, "Memory of completed
+        tensors"."""
+        self._retired.extend(entries)
 
     def _failed(self, response: Response, entries: list[Entry], names: list[str],
                 exc: Exception) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from . import dtypes
 from .memory import Memory
-from .protocol import Kind, ReduceOp, Request, Response
+from .protocol import FUSION_KEY, Kind, ReduceOp, Request, Response
 
 
 def nbytes(request: Request) -> int:
@@ -56,12 +57,11 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
     """
     groups: list[list[Request]] = []
     open_group: dict[tuple, list] = {}  # fusion key -> [group, bytes so far]
-    for position, request in enumerate(ready):
-        size = sizes[position] if sizes is not None else nbytes(request)
+    sizes = sizes if sizes is not None else [nbytes(request) for request in ready]
+    for request, size, key in zip(ready, sizes, map(FUSION_KEY, ready)):
         if size > threshold:
             groups.append([request])
             continue
-        key = request.fusion_key()
         current = open_group.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(request)
@@ -71,8 +71,11 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
             groups.append(group)
             open_group[key] = [group, size]
     if with_requests:
-        return [Response(Kind.ALLREDUCE, tuple(r.name for r in g), requests=tuple(g)) for g in groups]
-    return [Response(Kind.ALLREDUCE, tuple(r.name for r in g)) for g in groups]
+        return [Response(Kind.ALLREDUCE, tuple(map(_NAME, g)), requests=tuple(g)) for g in groups]
+    return [Response(Kind.ALLREDUCE, tuple(map(_NAME, g))) for g in groups]
+
+
+_NAME = operator.attrgetter("name")
 
 
 class FusionBuffers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _COMPLETING = threading.Lock()
@@ -20,7 +21,7 @@ class Handle:
     result, and the host does not block.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_completion")
+    __slots__ = ("name", "_event", "_result", "_error", "_completion", "_runner")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -28,6 +29,9 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._completion: tuple[Any, int, Any] | None = None  # (device runtime, device, done event)
+        # Caller runs: the coordinator's run_for, which runs the cycles in the waiting thread if
+        # its coordinator is idle (None: the coordinator thread does; see gradsync.coordinator).
+        self._runner: Callable[[Handle], None] | None = None
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
@@ -38,6 +42,8 @@ class Handle:
 
         For device tensors this returns once the collective is enqueued, after making the caller's
         current CUDA stream wait for it (cudaStreamWaitEvent; the host does not wait for the GPU).
+        With caller runs (``GRADSYNC_CALLER_RUNS``) and no ``timeout``, a host collective that has
+        not run yet is negotiated and run in this thread if the coordinator thread is idle.
 
         Args:
             timeout: seconds to wait at most; ``None`` waits until it finishes.
@@ -49,6 +55,8 @@ class Handle:
             gradsync.RankFailureError: another rank was lost (died, hung, or its coordinator
                 failed); the message names it.
         """
+        if timeout is None and self._runner is not None and not self._event.is_set():
+            self._runner(self)
         if not self._event.wait(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:

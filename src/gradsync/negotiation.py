@@ -33,7 +33,7 @@ from mpi4py import MPI
 from . import fusion
 from .config import Config
 from .protocol import CycleReply, Kind, RankMessage, Request, Response
-from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits
+from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits, set_bits
 from .stall_inspector import StallInspector
 
 _UNCACHED_FLAG, _SHUTDOWN_FLAG, _STALL_FLAG = 1, 2, 4
@@ -296,6 +296,8 @@ class Negotiator:
         self._words = math.ceil(config.cache_capacity / 64)
         self._all_ones = (1 << (64 * self._words)) - 1
         self._vector = np.empty(2 * self._words + 1, np.uint64)
+        self._raw = memoryview(self._vector).cast("B")
+        self._ones = bits_to_words(self._all_ones, self._words)  # no invalid bit
         self._ready_bits = 0  # cached requests ready on this rank, waiting for the others
         self._waiting: dict[int, Request] = {}  # bit -> this rank's request behind it
         self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
@@ -395,15 +397,17 @@ class Negotiator:
         vector = self._vector
         # A joined rank stands in for every cached collective: the others alone decide what is ready.
         ready_bits = self._all_ones if self.rank in self.joined else self._ready_bits
-        vector[:words] = np.frombuffer(bits_to_words(ready_bits, words), np.uint64)
-        vector[words:2 * words] = np.frombuffer(bits_to_words(self._all_ones ^ invalid, words), np.uint64)
+        raw, half = self._raw, 8 * words  # the vector's bytes: ints in and out without numpy calls
+        raw[:half] = bits_to_words(ready_bits, words)
+        raw[half:2 * half] = bits_to_words(self._all_ones ^ invalid, words) if invalid else self._ones
         flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
                  | (_STALL_FLAG if stall else 0))
-        vector[-1] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
+        raw[2 * half:] = (~flags & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
         self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
-        ready = int.from_bytes(vector[:words].tobytes(), "little")
-        invalid_any = self._all_ones ^ int.from_bytes(vector[words:2 * words].tobytes(), "little")
-        common_flags = ~int(vector[-1])
+        ready = int.from_bytes(raw[:half], "little")
+        kept = raw[half:2 * half]
+        invalid_any = 0 if kept == self._ones else self._all_ones ^ int.from_bytes(kept, "little")
+        common_flags = ~int.from_bytes(raw[2 * half:], "little")
         return (ready, invalid_any, bool(common_flags & _UNCACHED_FLAG),
                 bool(common_flags & _SHUTDOWN_FLAG), bool(common_flags & _STALL_FLAG))
 
@@ -413,14 +417,15 @@ class Negotiator:
         sizes: list[int] = []
         groups: dict[str, list[Request]] = {}
         waiting = self._waiting
-        for bit in iter_bits(ready):
+        bits = set_bits(ready)
+        for bit, (cached, size) in zip(bits, self.cache.entries(bits)):
             # A joined rank has no request of its own: the cached one stands in for it.
-            request = waiting.pop(bit, None) or self.cache.request(bit)
+            request = waiting.pop(bit, None) or cached
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
             elif request.kind == Kind.ALLREDUCE:
                 allreduces.append(request)
-                sizes.append(self.cache.nbytes(bit))
+                sizes.append(size)
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
         self._ready_bits &= ~ready

@@ -296,16 +296,16 @@ def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Aver
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async`: returns the reduced tensor (a new one)."""
-    return synchronize(allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
-                                       process_set))
+    return _now(process_set, allreduce_async, tensor, name, op, prescale_factor, postscale_factor,
+                                       process_set)
 
 
 def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async_`: reduces ``tensor`` in place and returns it."""
-    return synchronize(allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+    return _now(process_set, allreduce_async_, tensor, name, op, prescale_factor, postscale_factor,
+                                        process_set)
 
 
 _GROUPED_DOC = """
@@ -363,8 +363,8 @@ def grouped_allreduce(tensors: Sequence[Any], name: str | None = None,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced (new) tensors."""
-    return synchronize(grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
-                                               process_set))
+    return _now(process_set, grouped_allreduce_async, tensors, name, op, prescale_factor, postscale_factor,
+                                               process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
@@ -372,9 +372,8 @@ def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None,
                        postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async_`: reduces every tensor in place, returns the list."""
-    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
-                                      process_set)
-    return synchronize(handle)
+    return _now(process_set, grouped_allreduce_async_, tensors, name, op, prescale_factor,
+                postscale_factor, process_set)
 
 
 def reducescatter_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -414,8 +413,8 @@ def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`reducescatter_async`: returns this rank's rows of the reduction."""
-    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor,
-                                           process_set))
+    return _now(process_set, reducescatter_async, tensor, name, op, prescale_factor, postscale_factor,
+                                           process_set)
 
 
 def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
@@ -444,8 +443,8 @@ def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
                           postscale_factor: float = 1.0,
                           process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_reducescatter_async`: returns the list of this rank's rows."""
-    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
-                                                   postscale_factor, process_set))
+    return _now(process_set, grouped_reducescatter_async, tensors, name, op, prescale_factor,
+                                                   postscale_factor, process_set)
 
 
 for _grouped_op in (grouped_allreduce_async, grouped_reducescatter_async):
@@ -523,7 +522,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> tuple[Any, Any]:
     """Blocking :func:`alltoall_async`: returns ``(output, received_splits)``."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    return _now(process_set, alltoall_async, tensor, splits, name, process_set)
 
 
 def _broadcast(tensor: Any, root_rank: int, name: str | None, in_place: bool,
@@ -561,13 +560,13 @@ def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None,
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async`: returns a new tensor holding the root's values."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return _now(process_set, broadcast_async, tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async_`: overwrites ``tensor`` with the root's values, returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _now(process_set, broadcast_async_, tensor, root_rank, name, process_set)
 
 
 def _gathered(tensor: Any, name: str | None, process_set: ProcessSet,
@@ -608,7 +607,7 @@ def allgather_async(tensor: Any, name: str | None = None,
 def allgather(tensor: Any, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allgather_async`: returns the concatenated tensor."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    return _now(process_set, allgather_async, tensor, name, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
@@ -646,7 +645,7 @@ def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[Any]:
     """Blocking :func:`grouped_allgather_async`: returns the list of gathered tensors."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return _now(process_set, grouped_allgather_async, tensors, name, process_set)
 
 
 def barrier(name: str | None = None, process_set: ProcessSet = global_process_set) -> None:
@@ -667,7 +666,8 @@ def _control(kind: Kind, name: str | None, process_set: ProcessSet) -> Any:
     name = _name(coordinator, name, kind.name.lower())
     request = Request(name, kind, coordinator.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
-    return synchronize(coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
+    with coordinator.caller_turn():
+        return synchronize(coordinator.submit(Entry(request, Handle(name), empty, empty, None)))
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
@@ -726,6 +726,19 @@ def allgather_object(obj: Any, name: str | None = None,
     data = allgather(payload.copy(), name=f"{name}.data", process_set=process_set)
     bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
     return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
+
+
+def _now(process_set: ProcessSet, start: Callable[..., Handle | GroupHandle], *args: Any) -> Any:
+    """A blocking op: ``start(*args)`` (its ``*_async`` form) and wait for it, as the caller's
+    turn (:meth:`Coordinator.caller_turn`: with caller runs, this thread takes the coordinator
+    before it submits, so that the cycle runs here and no thread is woken). Errors are
+    ``start``'s and :func:`synchronize`'s."""
+    try:
+        coordinator = runtime.get().coordinator_for(process_set, "")
+    except Exception:  # noqa: BLE001 - start() raises it again, with the op's own message
+        return synchronize(start(*args))
+    with coordinator.caller_turn():
+        return synchronize(start(*args))
 
 
 def synchronize(handle: Handle | GroupHandle) -> Any:

@@ -65,6 +65,7 @@ class TensorQueue:
         self._in_flight: dict[str, Entry] = {}
         self._shutdown = False
         self._interrupted = False
+        self.wakes = 0  # how often wake() was called: a wait that saw an older count returns at once
         self.closed_error: BaseException | None = None
         self.failure: str | None = None  # why gradsync stopped, when MPI can no longer finish cleanly
 
@@ -81,14 +82,16 @@ class TensorQueue:
         """
         self.push_all([entry])
 
-    def push_all(self, entries: list[Entry]) -> None:
-        """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`."""
+    def push_all(self, entries: list[Entry], wake: bool = True) -> None:
+        """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`.
+        ``wake=False``: do not wake the coordinator's thread (the caller runs the cycle itself)."""
         with self._cond:
             for entry in entries:
                 self._check_free(entry)
             self._in_flight.update((entry.request.name, entry) for entry in entries)
             self._new.extend(entries)
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
 
     def _check_free(self, entry: Entry) -> None:
         if self.closed_error is not None:
@@ -109,11 +112,25 @@ class TensorQueue:
             self._interrupted = True
             self._cond.notify()
 
-    def wait(self, timeout: float | None) -> None:
-        """Block until there are new entries, shutdown was asked for, :meth:`interrupt` or
-        :meth:`close` was called, or ``timeout`` seconds passed (None: no limit)."""
+    def has_work(self) -> bool:
+        """Whether a cycle is due at once: new entries, shutdown asked for, :meth:`interrupt` or
+        :meth:`close` called."""
         with self._cond:
-            if not (self._new or self._shutdown or self._interrupted or self.closed_error):
+            return bool(self._new or self._shutdown or self._interrupted or self.closed_error)
+
+    def wake(self) -> None:
+        """Wake the coordinator's thread so that it looks again (a caller ran cycles meanwhile)."""
+        with self._cond:
+            self.wakes += 1
+            self._cond.notify()
+
+    def wait(self, timeout: float | None, wakes: int | None = None) -> None:
+        """Block until there are new entries, shutdown was asked for, :meth:`interrupt`,
+        :meth:`close` or :meth:`wake` was called (or had been, since :attr:`wakes` was ``wakes``),
+        or ``timeout`` seconds passed (None: no limit)."""
+        with self._cond:
+            if not (self._new or self._shutdown or self._interrupted or self.closed_error
+                    or (wakes is not None and wakes != self.wakes)):
                 self._cond.wait(timeout)
 
     def take(self) -> tuple[list[Entry], bool]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import enum
 
+import numpy as np
+
 from . import fusion
 from .protocol import Kind, Request
 
@@ -43,6 +45,7 @@ class ResponseCache:
         self._slots: collections.OrderedDict[str, tuple[int, tuple, Request, int]] = (
             collections.OrderedDict())
         self._names: dict[int, str] = {}
+        self._by_bit: dict[int, tuple[Request, int]] = {}  # bit -> (request, bytes): the cycle's reads
         self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest free bit
 
     def __len__(self) -> int:
@@ -54,6 +57,8 @@ class ResponseCache:
         slot = self._slots.get(request.name)
         if slot is None or request.kind not in CACHEABLE:
             return Lookup.MISS, -1
+        if slot[2] == request:  # this rank's own request, cached: one C comparison, no signature
+            return Lookup.HIT, slot[0]
         return (Lookup.HIT if slot[1] == request.signature() else Lookup.INVALID), slot[0]
 
     def put(self, request: Request) -> int | None:
@@ -66,28 +71,34 @@ class ResponseCache:
         evicted = None
         if not self._free:
             _, (evicted, *_) = self._slots.popitem(last=False)
-            del self._names[evicted]
+            del self._names[evicted], self._by_bit[evicted]
             self._free.append(evicted)
         bit = self._free.pop()
         self._slots[request.name] = (bit, signature(request), request, fusion.nbytes(request))
         self._names[bit] = request.name
+        self._by_bit[bit] = (request, fusion.nbytes(request))
         return evicted
 
     def evict(self, bit: int) -> None:
         """Forget the entry at ``bit`` (all ranks do this for every invalid bit)."""
         name = self._names.pop(bit, None)
         if name is not None:
-            del self._slots[name]
+            del self._slots[name], self._by_bit[bit]
             self._free.append(bit)
             self._free.sort(reverse=True)
 
     def request(self, bit: int) -> Request:
         """The request cached at ``bit`` (as some rank sent it)."""
-        return self._slots[self._names[bit]][2]
+        return self._by_bit[bit][0]
 
     def nbytes(self, bit: int) -> int:
         """Bytes the collective at ``bit`` occupies in a fusion buffer."""
-        return self._slots[self._names[bit]][3]
+        return self._by_bit[bit][1]
+
+    def entries(self, bits: list[int]) -> list[tuple[Request, int]]:
+        """(request, bytes in a fusion buffer) cached at each of ``bits``, in that order."""
+        by_bit = self._by_bit
+        return [by_bit[bit] for bit in bits]
 
 
 def bits_to_words(bits: int, words: int) -> bytes:
@@ -101,3 +112,12 @@ def iter_bits(bits: int):
         low = bits & -bits
         yield low.bit_length() - 1
         bits ^= low
+
+
+def set_bits(bits: int) -> list[int]:
+    """The set bits of ``bits`` (>= 0), lowest first, as a list: :func:`iter_bits`, with numpy
+    for many bits (1000 ready tensors in one cycle: tens of microseconds instead of milliseconds)."""
+    if bits.bit_count() <= 16:
+        return list(iter_bits(bits))
+    raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
