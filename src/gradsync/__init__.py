@@ -81,7 +81,8 @@ from .runtime import (
 
 __version__ = "0.1.0"
 
-_TORCH_NAMES = ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state")
+_TORCH_NAMES = ("DistributedOptimizer", "ZeroRedundancyOptimizer", "broadcast_parameters",
+                "broadcast_optimizer_state")
 
 
 def __getattr__(name: str):
