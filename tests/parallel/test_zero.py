@@ -36,9 +36,10 @@ def concatenated(step, ranks=None):
 
 
 def make_model():
+    """Small layers (packed into one allgather after the step) and a 64 KiB weight (broadcast)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128),
+                               torch.nn.Tanh(), torch.nn.Linear(128, 3))
 
 
 def adam(model, lr=0.01):
@@ -47,7 +48,7 @@ def adam(model, lr=0.01):
 
 def zero(model, optimizer=None, **kwargs):
     return gradsync.ZeroRedundancyOptimizer(optimizer or adam(model), model.named_parameters(),
-                                            bucket_bytes=256, **kwargs)
+                                            bucket_bytes=4096, **kwargs)
 
 
 def flat(tensors):

@@ -34,6 +34,7 @@ from .optimizer import _DistributedOptimizer
 
 DEFAULT_BUCKET_BYTES = 8 << 20
 BALANCE_SLACK = 0.05  # a bucket closes once its padding is at most this fraction of its elements
+BROADCAST_BYTES = 64 << 10  # parameters this large are broadcast alone, in place; smaller ones packed
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,13 @@ class ZeroOptimizer(_DistributedOptimizer):
         self._zero_index = {p: i for i, p in enumerate(p for g in self._zero_groups for p in g)}
         reducer.use_plan(shard_plan(list(self._gs_names), self._gs_size, bucket_bytes))
         self._zero_roots = {p: self._gs_process_set.ranks[r] for p, r in reducer.plan.owner.items()}
+        self._zero_large = [p for p in self._gs_names if p.numel() * p.element_size() >= BROADCAST_BYTES]
+        small: dict[tuple, list[list[torch.Tensor]]] = {}  # (device, dtype) -> each rank's params
+        for param in self._gs_names:
+            if param.numel() * param.element_size() < BROADCAST_BYTES:
+                ranks = small.setdefault((param.device, param.dtype), [[] for _ in range(self._gs_size)])
+                ranks[reducer.plan.owner[param]].append(param)
+        self._zero_small = list(small.values())
         for group in self.param_groups:
             group["params"] = [p for p in group["params"] if reducer.owned(p)]
         for param in [p for p in self.state if not reducer.owned(p)]:
@@ -264,18 +272,39 @@ class ZeroOptimizer(_DistributedOptimizer):
         Raises:
             As DistributedOptimizer's ``step()``.
         """
+        self._zero_consolidated = None  # a consolidated state is the state before this step
         result = super().step(closure)
         self._zero_broadcast_parameters()
         return result
 
     def _zero_broadcast_parameters(self) -> None:
+        """Every parameter from its owner: large ones broadcast in place (no copy), the small ones
+        of each (device, dtype) packed and allgathered together (one collective, not one each)."""
         if self._gs_size == 1:
             return
-        handles = [ops.broadcast_async_(param.detach(), self._zero_roots[param],
-                                        name=f"gradsync.zero.param.{name}",
-                                        process_set=self._gs_process_set)
-                   for param, name in self._gs_names.items()]
-        _call_all([functools.partial(ops.synchronize, h) for h in handles])
+        names = self._gs_names
+        waits = [functools.partial(ops.synchronize, ops.broadcast_async_(
+                     param.detach(), self._zero_roots[param], name=f"gradsync.zero.param.{names[param]}",
+                     process_set=self._gs_process_set)) for param in self._zero_large]
+        for index, ranks in enumerate(self._zero_small):
+            with torch.no_grad():
+                mine = [p.detach().reshape(-1) for p in ranks[self._gs_reducer.me]]
+                any_param = next(p for params in ranks for p in params)
+                flat = torch.cat(mine) if mine else any_param.new_empty(0)
+            handle = ops.allgather_async(flat, name=f"gradsync.zero.small.{index}."
+                                         f"{self._gs_reducer.first_name()}",
+                                         process_set=self._gs_process_set)
+            waits.append(functools.partial(self._zero_unpack_small, handle, ranks))
+        _call_all(waits)
+
+    def _zero_unpack_small(self, handle, ranks: list[list[torch.Tensor]]) -> None:
+        gathered, start = ops.synchronize(handle), 0
+        with torch.no_grad():
+            for r, params in enumerate(ranks):
+                for param in params:
+                    if r != self._gs_reducer.me:
+                        param.copy_(gathered[start:start + param.numel()].view_as(param))
+                    start += param.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients of every parameter (not only this rank's shard), torch semantics."""
