@@ -22,6 +22,12 @@ Communication hooks and gradient buckets (docs/comm-hooks.md), side by side the 
         --src "views=src:--bucket-view on" --src "copies=src:--comm-hook allreduce --bucket-view off"
     mpiexec -n 2 python benchmarks/train_step.py --comm-hook powersgd --powersgd-rank 2  # + bytes
 
+ZeroRedundancyOptimizer (sharded optimizer state, docs/sharding.md) beside DistributedOptimizer,
+interleaved, with Adam (``--optimizer``, default sgd, applies to every configuration):
+
+    python benchmarks/train_step.py --compare --thresholds 1048576 --optimizer adam \
+        --src distributed=src --src zero=src:--zero
+
 On a GPU (``--device cuda``; each rank takes the GPU of its local rank modulo the GPUs present, so
 several ranks may share one with GRADSYNC_GPU_OPERATIONS=MPI), every step ends with
 ``torch.cuda.synchronize()`` so that the time covers the GPU's work; DDP then uses NCCL:
@@ -29,7 +35,7 @@ several ranks may share one with GRADSYNC_GPU_OPERATIONS=MPI), every step ends w
     python benchmarks/train_step.py --mode single --device cuda --batch 256
     mpiexec -n 1 python benchmarks/train_step.py --mode gradsync --device cuda --batch 256
 
-Models (--model), batch 32 per rank, SGD with momentum, torch.set_num_threads(1):
+Models (--model), batch 32 per rank, SGD with momentum (or --optimizer adam), torch.set_num_threads(1):
   mlp (default): 24 x (Linear(768, 768) + ReLU) + Linear(768, 10) (50 tensors, 14.2 M parameters);
   cnn: 3 x (Conv2d 3x3 + ReLU + MaxPool2d(2)) with 32/64/128 channels on 3x32x32 inputs, then
        Linear(2048, 256) + ReLU + Linear(256, 10) (10 tensors, 0.62 M parameters): far less to
@@ -109,9 +115,18 @@ def _Transformer():
     return Transformer()
 
 
+def make_optimizer(kind: str, model):
+    import torch
+
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
 def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None,
             device: str = "cpu", batch: int = BATCH, synchronize_at_step: bool = False,
-            hooks: tuple[str, str, int] = ("none", "auto", 2), set_to_none: bool = True) -> None:
+            hooks: tuple[str, str, int] = ("none", "auto", 2), set_to_none: bool = True,
+            optimizer_kind: str = "sgd", zero: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -129,10 +144,15 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
             torch.cuda.set_device(gradsync.local_rank() % torch.cuda.device_count())
             model = model.cuda()
         options = {"synchronize_in_backward": False} if synchronize_at_step else {}
-        options.update(hook_options(*hooks))
-        optimizer = gradsync.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            named_parameters=model.named_parameters(), **options)
+        if zero:  # ZeroRedundancyOptimizer takes no communication hook
+            optimizer = gradsync.ZeroRedundancyOptimizer(make_optimizer(optimizer_kind, model),
+                                                         named_parameters=model.named_parameters(),
+                                                         **options)
+        else:
+            options.update(hook_options(*hooks))
+            optimizer = gradsync.DistributedOptimizer(make_optimizer(optimizer_kind, model),
+                                                      named_parameters=model.named_parameters(),
+                                                      **options)
         gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
     elif mode == "ddp":
         import torch.distributed as dist
@@ -147,10 +167,10 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world.Get_size())
         model = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        optimizer = make_optimizer(optimizer_kind, model)
     else:
         model = model.cuda() if cuda else model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        optimizer = make_optimizer(optimizer_kind, model)
     x = (torch.randint(0, VOCAB, (batch, *sample_shape)) if model_kind == "transformer"
          else torch.randn(batch, *sample_shape))
     y = torch.randint(0, 10, (batch,))
@@ -191,7 +211,8 @@ def source_trees(specs: list[str]) -> list[tuple[str, str | None, list[str]]]:
 
 
 def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: str,
-            csv_path: str | None, trees: list[tuple[str, str | None, list[str]]]) -> None:
+            csv_path: str | None, trees: list[tuple[str, str | None, list[str]]],
+            optimizer_kind: str = "sgd") -> None:
     """Launch every configuration `repeats` times, interleaved, and print a table of medians."""
     here = os.path.abspath(__file__)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -206,7 +227,8 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     results: dict[str, list[float]] = {name: [] for name, *_ in configs}
     for _ in range(repeats):
         for name, args, parallel, config_env in configs:
-            cmd = [sys.executable, here, *args, "--model", model, "--steps", str(steps)]
+            cmd = [sys.executable, here, *args, "--model", model, "--steps", str(steps),
+                   "--optimizer", optimizer_kind]
             if parallel:
                 cmd = [mpiexec, "-n", str(ranks), *cmd]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=config_env)
@@ -216,7 +238,8 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
             results[name].append(float(line[0].split("=")[1]))
     single = statistics.median(results["single"])
     ddp = statistics.median(results["ddp (gloo)"])
-    print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, median of {repeats} launches x {steps} steps")
+    print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, {optimizer_kind}, median of {repeats} "
+          f"launches x {steps} steps")
     width = max(28, *map(len, results))
     print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s}")
     rows = []
@@ -260,14 +283,18 @@ def main() -> None:
     parser.add_argument("--powersgd-rank", type=int, default=2)
     parser.add_argument("--keep-grads", action="store_true",
                         help="zero_grad(set_to_none=False) (gradients stay bucket views)")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--zero", action="store_true",
+                        help="gradsync: ZeroRedundancyOptimizer instead of DistributedOptimizer")
     args = parser.parse_args()
     if args.compare:
         compare(args.ranks, args.repeats, args.steps, [int(t) for t in args.thresholds.split(",")],
-                args.model, args.csv, source_trees(args.src))
+                args.model, args.csv, source_trees(args.src), args.optimizer)
     else:
         measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold, args.device,
                 args.batch, args.synchronize_at_step,
-                (args.comm_hook, args.bucket_view, args.powersgd_rank), not args.keep_grads)
+                (args.comm_hook, args.bucket_view, args.powersgd_rank), not args.keep_grads,
+                args.optimizer, args.zero)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ batch. Lines marked ``# gradsync:`` are the ones that make the script data-paral
     mpiexec -n 2 python examples/train_digits.py             # 2 ranks
     mpiexec -n 2 python examples/train_digits.py --resume    # continue from the last checkpoint
     mpiexec -n 2 python examples/train_digits.py --comm-hook powersgd --powersgd-rank 2
+    mpiexec -n 2 python examples/train_digits.py --zero      # optimizer state sharded (ZeRO-1)
     python examples/train_digits.py                          # a single process works too
 
 Rank 0 draws a progress bar on stderr (``--no-progress``: none) and prints one line per epoch on
@@ -40,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default="checkpoints/digits.pt")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--zero", action="store_true",
+                        help="gradsync.ZeroRedundancyOptimizer: each rank keeps the optimizer "
+                             "state of its shard of the parameters only (docs/sharding.md)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per process, the host's GPUs taken in turn by local_rank()")
     parser.add_argument("--comm-hook", choices=["none", "allreduce", "fp16", "bf16", "powersgd"],
@@ -115,24 +119,32 @@ def main() -> None:
     # gradsync: the batch is `size` times larger than one process's, so is the learning rate.
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
     # gradsync: gradients are averaged across ranks during backward(); step() waits for them.
-    opt = gradsync.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                        comm_hook=comm_hook(args))
+    # With --zero each rank keeps the optimizer state of its own shard of the parameters only.
+    if args.zero:
+        if args.comm_hook != "none":
+            raise SystemExit("--zero takes no --comm-hook (ZeroRedundancyOptimizer reduce-scatters)")
+        opt = gradsync.ZeroRedundancyOptimizer(opt, named_parameters=model.named_parameters())
+    else:
+        opt = gradsync.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                            comm_hook=comm_hook(args))
 
-    start_epoch = 0
+    start_epoch, optimizer_state = 0, None
     if args.resume and rank == 0:  # only rank 0 reads the file; the broadcasts below share it
         if os.path.exists(args.checkpoint):
             state = torch.load(args.checkpoint, map_location=device)
             model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            for group in opt.param_groups:  # the run may have a different number of ranks
-                group["lr"] = args.lr * size
+            optimizer_state = state["optimizer"]
             start_epoch = state["epoch"] + 1
             print(f"resuming from {args.checkpoint} at epoch {start_epoch + 1}", flush=True)
         else:
             print(f"no checkpoint at {args.checkpoint}; starting from scratch", flush=True)
     # gradsync: every rank starts from rank 0's weights, optimizer state and epoch.
     gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
-    gradsync.broadcast_optimizer_state(opt, root_rank=0)
+    optimizer_state = gradsync.broadcast_object(optimizer_state, root_rank=0, name="opt_state")
+    if optimizer_state is not None:  # the whole state: a ZeRO rank keeps its shard's part
+        opt.load_state_dict(optimizer_state)
+        for group in opt.param_groups:  # the run may have a different number of ranks
+            group["lr"] = args.lr * size
     start_epoch = gradsync.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
 
     # Every rank takes the same number of full batches per epoch (the remainder is dropped), so no
@@ -162,6 +174,8 @@ def main() -> None:
         # gradsync: read the metrics (a collective: every rank computes them, rank 0 prints).
         loss_now, acc_now = train_loss.compute(), train_acc.compute()
         test_acc = evaluate(model, x_test, y_test)
+        if args.zero:  # gradsync: every rank sends its shard of the optimizer state to rank 0
+            opt.consolidate_state_dict(to=0)
         if rank == 0:  # gradsync: one rank writes the checkpoint
             os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},

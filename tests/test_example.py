@@ -1,6 +1,7 @@
 """The README's examples train to the promised accuracy on 2 ranks; the torch one resumes from its
-checkpoint and shows its progress bar on rank 0 under mpiexec, the JAX one gives the same accuracy
-with its update inside jit and outside."""
+checkpoint (with DistributedOptimizer and with ZeroRedundancyOptimizer) and shows its progress bar
+on rank 0 under mpiexec, the JAX one gives the same accuracy with its update inside jit and
+outside."""
 
 import re
 
@@ -33,6 +34,18 @@ def test_digits_example_trains_and_resumes(tmp_path):
     assert "resuming from" in resumed and "at epoch 21" in resumed, resumed
     assert "epoch 1/22" not in resumed, "resume must not start again from epoch 1"
     assert "epoch 22/22" in resumed, resumed
+    assert final_accuracy(resumed) >= 0.95, resumed
+
+
+@pytest.mark.torch
+def test_digits_example_trains_and_resumes_with_sharded_optimizer_state(tmp_path):
+    checkpoint = str(tmp_path / "digits.pt")
+    first = run_mpi(EXAMPLE, 2, "--zero", "--epochs", "20", "--checkpoint", checkpoint,
+                    "--no-progress", timeout=240).stdout
+    assert final_accuracy(first) >= 0.95, first
+    resumed = run_mpi(EXAMPLE, 2, "--zero", "--epochs", "22", "--checkpoint", checkpoint,
+                      "--resume", "--no-progress", timeout=240).stdout
+    assert "at epoch 21" in resumed and "epoch 22/22" in resumed, resumed
     assert final_accuracy(resumed) >= 0.95, resumed
 
 

@@ -81,8 +81,9 @@ from .runtime import (
 
 __version__ = "0.1.0"
 
-_TORCH_NAMES = ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-                "Bucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "PowerSGD")
+_TORCH_NAMES = ("DistributedOptimizer", "ZeroRedundancyOptimizer", "broadcast_parameters",
+                "broadcast_optimizer_state", "Bucket", "allreduce_hook", "fp16_compress_hook",
+                "bf16_compress_hook", "PowerSGD")
 
 
 def __getattr__(name: str):

@@ -4,7 +4,8 @@ Every public name of horovod.torch 0.28.1 is here with Horovod's signature, argu
 semantics (docs/migrating-from-horovod.md lists each one and what differs), on gradsync's
 coordinator: the collectives (differentiable, as Horovod's), ``DistributedOptimizer``,
 ``broadcast_parameters``, ``broadcast_optimizer_state``, ``SyncBatchNorm``, ``Adasum``, the build
-flags and the dynamic timeline; and gradsync's own communication hooks (``PowerSGD``).
+flags and the dynamic timeline; gradsync's own communication hooks (``PowerSGD``) and
+``ZeroRedundancyOptimizer``.
 ``DistributedOptimizer``, ``broadcast_parameters`` and
 ``broadcast_optimizer_state`` are also ``gradsync.``'s. The framework-agnostic ``gradsync``
 namespace keeps its own API (``gradsync.allreduce`` has no ``average=`` and no autograd).
@@ -89,10 +90,12 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer
 from .powersgd import PowerSGD
 from .sync_batch_norm import SyncBatchNorm
+from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
     # gradsync's own, also in the gradsync namespace
-    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "DistributedOptimizer", "ZeroRedundancyOptimizer", "broadcast_parameters",
+    "broadcast_optimizer_state",
     # gradsync's communication hooks (DDP's, not Horovod's)
     "Bucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "PowerSGD",
     # the rest of horovod.torch
