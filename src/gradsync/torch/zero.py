@@ -341,7 +341,8 @@ class ZeroOptimizer(_DistributedOptimizer):
             The total norm before clipping (float64 tensor, on the host), the same on every rank.
 
         Raises:
-            As :meth:`synchronize`.
+            RuntimeError: as :meth:`synchronize` (a gradient changed in place or replaced while
+                its reducescatter was in flight).
         """
         self.synchronize()
         grads = [p.grad for p in self._gs_names if self._gs_reducer.owned(p) and p.grad is not None]
