@@ -181,7 +181,9 @@ class MessageTable:
             if error is None and first.kind == Kind.BROADCAST and first.root in joined:
                 error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
                          "cannot broadcast")
-            if error is not None:
+            if error is None and first.refuse_join and joined:
+                responses.append(_refused_response(first, (name,), self._joined_world()))
+            elif error is not None:
                 responses.append(Response(first.kind, (name,), error=error))
             elif first.kind == Kind.ALLREDUCE:
                 allreduces.append(first)
@@ -203,6 +205,9 @@ class MessageTable:
                          if r.kind != Kind.JOIN else r for r in responses]
         return tuple(responses)
 
+    def _joined_world(self) -> list[int]:
+        return sorted(self.world[r] for r in self.joined)
+
     def _take(self, name: str, representative: dict[str, Request]) -> tuple[list[Request | None], Request]:
         """Remove ``name`` from the table, answered: its slots, and its first request (recorded in
         ``representative``, from which joined ranks build their stand-ins)."""
@@ -221,6 +226,8 @@ class MessageTable:
             first_dims.append(_first_dims(slots))
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
+        if error is None and first.refuse_join and self.joined:
+            return _refused_response(first, names, self._joined_world())
         if error is not None:
             kind = first.kind.name.lower()
             return Response(first.kind, names, error=f"grouped {kind} {first.group!r} fails as a whole: "
@@ -228,6 +235,20 @@ class MessageTable:
         if first.kind == Kind.ALLGATHER:
             return Response(first.kind, names, first_dims=tuple(first_dims))
         return Response(first.kind, names)
+
+
+def _refused_response(request: Request, names: tuple[str, ...], joined: list[int]) -> Response:
+    """The error response of a ``refuse_join`` collective (alone, or a whole group) while the world
+    ranks ``joined`` have joined."""
+    kind = request.kind.name.lower()
+    what = f"{kind} {request.name!r}"
+    if request.group:
+        what = f"grouped {kind} {request.group!r} fails as a whole"
+    listed = ", ".join(map(str, joined))
+    return Response(request.kind, names, error=(
+        f"{what}: rank{'s' if len(joined) > 1 else ''} {listed} called join(); Horovod's {kind} does "
+        f"not run beside a joined rank (gradsync.{kind} does: the joined rank takes part with a "
+        "stand-in)"))
 
 
 def _first_dims(slots: list[Request | None]) -> tuple[int, ...]:
@@ -302,6 +323,7 @@ class Negotiator:
         self._waiting: dict[int, Request] = {}  # bit -> this rank's request behind it
         self._resend: list[Request] = []  # requests whose bit was evicted: negotiate in full
         self.size = comm.Get_size()
+        self.world = tuple(world_ranks) if world_ranks is not None else tuple(range(self.size))
         self.joined: frozenset[int] = frozenset()  # the same on every rank: changed by full replies
         self._partial: dict[str, list[Request]] = {}  # group -> members submitted here so far
         self.full_cycles = self.cached_cycles = 0
@@ -411,6 +433,9 @@ class Negotiator:
         return (ready, invalid_any, bool(common_flags & _UNCACHED_FLAG),
                 bool(common_flags & _SHUTDOWN_FLAG), bool(common_flags & _STALL_FLAG))
 
+    def _joined_world(self) -> list[int]:
+        return sorted(self.world[r] for r in self.joined)
+
     def _cached_responses(self, ready: int) -> list[Response]:
         responses: list[Response] = []
         allreduces: list[Request] = []
@@ -423,13 +448,17 @@ class Negotiator:
             request = waiting.pop(bit, None) or cached
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
+            elif request.refuse_join and self.joined:
+                responses.append(_refused_response(request, (request.name,), self._joined_world()))
             elif request.kind == Kind.ALLREDUCE:
                 allreduces.append(request)
                 sizes.append(size)
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
         self._ready_bits &= ~ready
-        responses += [Response(members[0].kind, tuple(r.name for r in members), requests=tuple(members))
+        responses += [_refused_response(members[0], tuple(r.name for r in members), self._joined_world())
+                      if members[0].refuse_join and self.joined else
+                      Response(members[0].kind, tuple(r.name for r in members), requests=tuple(members))
                       for members in groups.values()]
         responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
                                            with_requests=True)

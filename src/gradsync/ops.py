@@ -13,8 +13,10 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -32,6 +34,22 @@ if TYPE_CHECKING:  # imported by init() only (it imports mpi4py.MPI)
     from .coordinator import Coordinator
 
 _SUPPORTED = ", ".join(dtypes.SUPPORTED)
+
+#: True inside :func:`refusing_join`: the collectives submitted then carry ``refuse_join``.
+_REFUSE_JOIN = contextvars.ContextVar("gradsync_refuse_join", default=False)
+
+
+@contextlib.contextmanager
+def refusing_join() -> Iterator[None]:
+    """Collectives submitted inside fail on every rank (CollectiveError) while some rank has called
+    :func:`join`, instead of running with the joined ranks' stand-ins: Horovod's semantics for
+    allgather, broadcast, alltoall and reducescatter, used by the Horovod namespace
+    (``gradsync.torch``). The decision is negotiated, so it is the same on every rank."""
+    token = _REFUSE_JOIN.set(True)
+    try:
+        yield
+    finally:
+        _REFUSE_JOIN.reset(token)
 
 
 def _prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet,
@@ -112,7 +130,8 @@ class _Prepared(NamedTuple):
     allocate: Callable[..., tuple[Any, Any]] | None = None
 
     def entry(self, name: str, group: str = "", group_size: int = 0) -> Entry:
-        request = self.request._replace(name=name, group=group, group_size=group_size)
+        request = self.request._replace(name=name, group=group, group_size=group_size,
+                                        refuse_join=_REFUSE_JOIN.get())
         return _entry(request, self.source, self.target, self.result, self.device, self.allocate)
 
     def submit(self, name: str | None, kind: str) -> Handle:

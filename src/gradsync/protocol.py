@@ -59,6 +59,9 @@ class Request(NamedTuple):
     negotiated and executed as one unit.
     ``device`` is the kind of memory the tensor lives in, ``"cpu"`` or ``"cuda"`` (not the device
     index: each rank uses its own GPU), so host and device tensors are never fused together.
+    ``refuse_join``: fail it on every rank while some rank has called join(), as Horovod does for
+    allgather, broadcast, alltoall and reducescatter (set by the Horovod namespace,
+    ``gradsync.torch``); otherwise a joined rank takes part with a stand-in.
     """
 
     name: str
@@ -74,6 +77,7 @@ class Request(NamedTuple):
     group: str = ""
     group_size: int = 0
     device: str = "cpu"
+    refuse_join: bool = False
 
     def signature(self) -> tuple:
         """Every field but ``rank``: what the ranks' requests for one name must share (the

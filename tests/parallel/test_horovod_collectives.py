@@ -5,6 +5,7 @@ alltoall's received splits, barrier's argument, remove_process_set's answer), th
 is written out from Horovod's documented rule.
 """
 
+import re
 import warnings
 
 import pytest
@@ -132,6 +133,57 @@ def test_join_takes_a_device_and_returns_the_last_rank():
     last = hvd.join(-1)
     assert 0 <= last < hvd.size()
     assert hvd.allgather_object(last) == [last] * hvd.size()
+
+
+HOROVOD_REFUSES_JOIN = {
+    "allgather": lambda name: hvd.allgather(torch.ones(2, 3), name=name),
+    "grouped_allgather": lambda name: hvd.grouped_allgather([torch.ones(2, 3)], name=name),
+    "broadcast": lambda name: hvd.broadcast(torch.ones(2, 3), 1, name=name),
+    "broadcast_": lambda name: hvd.broadcast_(torch.ones(2, 3), 1, name=name),
+    "alltoall": lambda name: hvd.alltoall(torch.ones(2 * hvd.size(), 3), name=name),
+    "reducescatter": lambda name: hvd.reducescatter(torch.ones(2 * hvd.size(), 3), name=name),
+    "grouped_reducescatter": lambda name: hvd.grouped_reducescatter([torch.ones(2 * hvd.size(), 3)],
+                                                                    name=name),
+}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["first-call", "cached"])
+@pytest.mark.parametrize("op", sorted(HOROVOD_REFUSES_JOIN))
+def test_beside_a_joined_rank_these_fail_on_every_other_rank_as_horovods_do(op, cached):
+    """Horovod fails allgather, broadcast, alltoall and reducescatter while a rank has joined
+    ("... is not supported with Join"); so do gradsync.torch's, on every rank that called them,
+    also when the response cache already knows the collective; join then completes."""
+    if hvd.size() == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+    name = f"refuse.{op}.{cached}"
+    call = HOROVOD_REFUSES_JOIN[op]
+    if cached:
+        call(name)  # every rank: now the response cache holds it
+    error = None
+    if hvd.rank() != 0:
+        try:
+            call(name)
+        except gradsync.CollectiveError as exc:
+            error = str(exc)
+    last = hvd.join()  # every rank, whatever happened above: no rank is left waiting
+    assert last != 0
+    assert hvd.allgather_object(last) == [last] * hvd.size()
+    if hvd.rank() != 0:
+        kind = op.removeprefix("grouped_").rstrip("_")
+        assert error is not None, f"{op} ran beside a joined rank"
+        assert re.search(rf"rank {hvd.rank()}: .*{name}.*rank 0 called join\(\); Horovod's {kind} "
+                         "does not run beside a joined rank", error), error
+
+
+def test_gradsyncs_own_allgather_still_runs_beside_a_joined_rank():
+    if hvd.size() == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+    if hvd.rank() == 0:
+        hvd.join()
+    else:
+        gathered = gradsync.allgather(torch.full((1, 2), float(hvd.rank())), name="core.allgather.join")
+        assert gathered.tolist() == [[float(r)] * 2 for r in range(1, hvd.size())]
+        hvd.join()
 
 
 def test_sparse_allreduce_async_equals_the_dense_allreduce():

@@ -19,6 +19,10 @@ does differently from gradsync's core ops, and these functions therefore do too:
   of the sum of every rank's loss; for allgather and broadcast, of their average.
 * CUDA tensors of reducescatter, alltoall and Adasum, which gradsync reduces in host memory only,
   are staged through host memory.
+* While some rank has called :func:`join`, allgather, broadcast, alltoall and reducescatter (and
+  their grouped forms) fail with a CollectiveError on every rank, as Horovod's do ("... is not
+  supported with Join"); gradsync's core ops run them with the joined ranks' stand-ins. Allreduce,
+  and the optimizer's own collectives (sparse gradients included), work beside a joined rank.
 
 Errors are gradsync's (all RuntimeErrors, and :data:`HorovodInternalError` is their base class),
 raised where gradsync raises them: bad input at the call, disagreement between ranks from
@@ -84,9 +88,10 @@ def _grad_name(name: str) -> str:
 def _core_reduce(inputs: list, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                  in_place: bool, process_set: ProcessSet, scatter: bool, grouped: bool):
     if scatter:
-        if grouped:
-            return ops.grouped_reducescatter_async(inputs, name, op, prescale, postscale, process_set)
-        return ops.reducescatter_async(inputs[0], name, op, prescale, postscale, process_set)
+        with ops.refusing_join():  # Horovod's reducescatter fails beside a joined rank
+            if grouped:
+                return ops.grouped_reducescatter_async(inputs, name, op, prescale, postscale, process_set)
+            return ops.reducescatter_async(inputs[0], name, op, prescale, postscale, process_set)
     if grouped:
         call = ops.grouped_allreduce_async_ if in_place else ops.grouped_allreduce_async
         return call(inputs, name, op, prescale, postscale, process_set)
@@ -323,8 +328,10 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather (``horovod.torch.allgather_async``): every rank's ``tensor`` concatenated
     along dimension 0 in rank order; dimension 0 may differ between ranks (MPI_Allgatherv). See
-    :func:`gradsync.allgather_async` for errors."""
-    return ops.allgather_async(tensor, name, process_set)
+    :func:`gradsync.allgather_async` for errors; as Horovod's, it fails (CollectiveError, on every
+    rank) while some rank has called :func:`join`."""
+    with ops.refusing_join():
+        return ops.allgather_async(tensor, name, process_set)
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -368,8 +375,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     """Start an allgather of every tensor of ``tensors`` as one group
     (``horovod.torch.grouped_allgather_async``; :func:`gradsync.grouped_allgather_async`: one dtype,
     negotiated and moved together, all-or-nothing on error). :func:`synchronize` returns the list
-    of gathered tensors; members are named ``name.0``, ..."""
-    return ops.grouped_allgather_async(tensors, name, process_set)
+    of gathered tensors; members are named ``name.0``, ... As Horovod's, it fails (CollectiveError,
+    on every rank) while some rank has called :func:`join`."""
+    with ops.refusing_join():
+        return ops.grouped_allgather_async(tensors, name, process_set)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
@@ -400,20 +409,24 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor on every rank
     (``horovod.torch.broadcast_async``; MPI_Bcast). ``root_rank`` is a world rank. See
-    :func:`gradsync.broadcast_async` for errors."""
-    return ops.broadcast_async(tensor, root_rank, name, process_set)
+    :func:`gradsync.broadcast_async` for errors; as Horovod's, it fails (CollectiveError, on every
+    rank) while some rank has called :func:`join`."""
+    with ops.refusing_join():
+        return ops.broadcast_async(tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`broadcast_async` (``horovod.torch.broadcast_async_``)."""
-    return ops.broadcast_async_(tensor, root_rank, name, process_set)
+    with ops.refusing_join():
+        return ops.broadcast_async_(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Blocking :func:`broadcast_async_` (``horovod.torch.broadcast_``): returns ``tensor``."""
-    return ops.broadcast_(tensor, root_rank, name, process_set)
+    with ops.refusing_join():
+        return ops.broadcast_(tensor, root_rank, name, process_set)
 
 
 class HorovodBroadcast(torch.autograd.Function):
@@ -472,7 +485,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
                                    f"{'(unnamed)' if name is None else repr(name)}")
     device = tensor.device if isinstance(tensor, torch.Tensor) else None
     host = tensor.cpu() if device is not None and device.type == "cuda" else tensor
-    handle = ops.alltoall_async(host, values, name, process_set)
+    with ops.refusing_join():  # Horovod's alltoall fails beside a joined rank
+        handle = ops.alltoall_async(host, values, name, process_set)
     like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
 
     def finish(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
