@@ -33,7 +33,7 @@ from mpi4py import MPI
 from . import fusion
 from .config import Config
 from .protocol import CycleReply, Kind, RankMessage, Request, Response
-from .response_cache import Lookup, ResponseCache, bits_to_words, iter_bits, set_bits
+from .response_cache import Lookup, ResponseCache, bits_from_list, bits_to_words, iter_bits, set_bits
 from .stall_inspector import StallInspector
 
 _UNCACHED_FLAG, _SHUTDOWN_FLAG, _STALL_FLAG = 1, 2, 4
@@ -344,18 +344,24 @@ class Negotiator:
         uncached, self._resend = self._resend, []
         invalid = 0
         group_hits: list[tuple[Request, int]] = []
+        hits: list[int] = []
+        waiting, own = self._waiting, self.cache.own_bit
         for request in requests:
-            state, bit = self.cache.lookup(request)
-            if state is Lookup.HIT:
-                if request.group:
-                    group_hits.append((request, bit))
+            bit = own(request)  # this rank's own request cached: the common case, without lookup()
+            if bit < 0:
+                state, bit = self.cache.lookup(request)
+                if state is Lookup.MISS or state is Lookup.INVALID:
+                    if state is Lookup.INVALID:
+                        invalid |= 1 << bit
+                    uncached.append(request)
                     continue
-                self._ready_bits |= 1 << bit
-                self._waiting[bit] = request
+            if request.group:
+                group_hits.append((request, bit))
                 continue
-            if state is Lookup.INVALID:
-                invalid |= 1 << bit
-            uncached.append(request)
+            hits.append(bit)
+            waiting[bit] = request
+        if hits:
+            self._ready_bits |= bits_from_list(hits, self._words)
         if group_hits:  # a group is offered by its bits only if every member hit, else all in full
             partial = {request.group for request in uncached if request.group}
             for request, bit in group_hits:
@@ -441,16 +447,16 @@ class Negotiator:
         allreduces: list[Request] = []
         sizes: list[int] = []
         groups: dict[str, list[Request]] = {}
-        waiting = self._waiting
+        take, joined, allreduce = self._waiting.pop, self.joined, Kind.ALLREDUCE
         bits = set_bits(ready)
         for bit, (cached, size) in zip(bits, self.cache.entries(bits)):
             # A joined rank has no request of its own: the cached one stands in for it.
-            request = waiting.pop(bit, None) or cached
+            request = take(bit, None) or cached
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
-            elif request.refuse_join and self.joined:
+            elif joined and request.refuse_join:
                 responses.append(_refused_response(request, (request.name,), self._joined_world()))
-            elif request.kind == Kind.ALLREDUCE:
+            elif request.kind is allreduce:
                 allreduces.append(request)
                 sizes.append(size)
             else:
