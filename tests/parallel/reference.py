@@ -6,7 +6,8 @@ documented rules (README, docs/architecture.md "Dtype rules"), not from gradsync
 
 * floating sums, averages and products of float16/bfloat16/float32 are computed in float32
   (float64 in float64) and rounded once to the tensor's dtype; prescale multiplies each input
-  before the reduction, postscale the result after it; Average is the sum divided by the size;
+  before the reduction, postscale the result after it; Average is the sum times
+  ``postscale / size`` (one factor, as gradsync folds it into the unpack);
 * integer Average is the floor of the exact mean; integer Sum/Product never overflow here (the
   inputs are chosen for that), so the reference needs no wrap-around;
 * bool Sum/Max are logical or, Min/Product logical and; bool Average is a TypeError;
@@ -139,9 +140,10 @@ def _floating_reference(inputs: list[np.ndarray], op, prescale: float, postscale
         result = stacked.sum(axis=0)
     else:
         result = {Min: stacked.min, Max: stacked.max, Product: stacked.prod}[op](axis=0)
-    if op == Average:
-        result = result / wide(len(inputs))
-    result = np.asarray(result * wide(postscale), dtype=wide)
+    # Average: the sum times postscale / size, one factor (docs/architecture.md: the 1/size is
+    # folded into the unpack's scale); exact at 1, 2 and 4 ranks, within one ulp of sum / size else.
+    scale = postscale / len(inputs) if op == Average else postscale
+    result = np.asarray(result * wide(scale), dtype=wide)
     return result.astype(dtype)  # the one rounding to float16/bfloat16
 
 
