@@ -113,6 +113,18 @@ def test_a_full_buffer_is_followed_by_a_new_one_for_the_same_key():
     assert plan(requests, threshold=1000) == [("a",), ("x", "y"), ("b", "c")]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_requests_of_one_key_are_grouped_as_by_the_general_rule(seed):
+    """plan_allreduce's one-key loop (every request of one dtype, op and scale) gives the groups
+    of the per-key table it stands in for, big and zero-byte tensors included."""
+    rng = np.random.default_rng(seed)
+    ready = [request(f"t{i}", count=int(c)) for i, c in enumerate(rng.choice([0, 1, 60, 250, 400], 40))]
+    sizes = [fusion.nbytes(r) for r in ready]
+    keys = [r.fusion_key() for r in ready]
+    general = [tuple(r.name for r in group) for group in fusion._pack(ready, sizes, keys, 1000)]
+    assert plan(ready, threshold=1000) == general
+
+
 def test_threshold_zero_disables_fusion():
     requests = [request(name, count=1) for name in "abc"]
     assert plan(requests, threshold=0) == [("a",), ("b",), ("c",)]
