@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 import random
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from .basics import rank, size
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "TorchState", "ElasticSampler"]
+log = logging.getLogger("gradsync")
 
 NO_RECOVERY = ("gradsync.torch.elastic runs at a fixed number of ranks and does not recover from a "
                "failed collective or a lost rank (no elastic driver under mpiexec/srun): restart the "
@@ -46,8 +48,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     Raises:
         GradsyncError: what ``func`` or the sync raised (``RankFailureError`` for a lost rank), with
-            a note that it is not recovered; Horovod's elastic mode would restore the last commit and
-            retry on the remaining hosts, which needs ``horovodrun``'s driver.
+            a note that it is not recovered (logged as an error on Python 3.10); Horovod's elastic
+            mode would restore the last commit and retry on the remaining hosts, which needs
+            ``horovodrun``'s driver.
     """
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +58,10 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             state.sync()
             return func(state, *args, **kwargs)
         except GradsyncError as error:
-            error.add_note(NO_RECOVERY)
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(NO_RECOVERY)
+            else:
+                log.error(NO_RECOVERY)
             raise
     return wrapper
 
