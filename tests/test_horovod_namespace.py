@@ -68,7 +68,8 @@ NO_ARGUMENTS = ["size", "local_size", "cross_size", "rank", "local_rank", "cross
                 "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
                 "rocm_built"]
 OTHER_NAMES = ["ProcessSet", "global_process_set", "Average", "Sum", "Adasum", "Min", "Max",
-               "Product", "HorovodInternalError", "Compression", "handle_average_backwards_compatibility"]
+               "Product", "HorovodInternalError", "Compression", "handle_average_backwards_compatibility",
+               "elastic"]
 # horovod.torch.mpi_ops's autograd functions: forward's arguments after ctx.
 AUTOGRAD = {
     "HorovodAllreduce": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor",
@@ -172,3 +173,11 @@ def test_duplicate_names_are_refused_before_init():
 def test_the_core_namespace_keeps_its_own_allreduce():
     assert "average" not in inspect.signature(gradsync.allreduce).parameters
     assert gradsync.DistributedOptimizer is hvd.DistributedOptimizer
+
+
+def test_elastic_has_horovods_names_and_signatures():
+    assert sorted(hvd.elastic.__all__) == ["ElasticSampler", "TorchState", "run"]
+    assert parameters(hvd.elastic.run) == [("func", R)]
+    assert parameters(hvd.elastic.TorchState) == [("model", None), ("optimizer", None)]
+    assert parameters(hvd.elastic.ElasticSampler) == [("dataset", R), ("shuffle", True), ("seed", 0)]
+    assert issubclass(hvd.elastic.ElasticSampler, torch.utils.data.Sampler)

@@ -5,7 +5,7 @@ semantics (docs/migrating-from-horovod.md lists each one and what differs), on g
 coordinator: the collectives (differentiable, as Horovod's), ``DistributedOptimizer``,
 ``broadcast_parameters``, ``broadcast_optimizer_state``, ``SyncBatchNorm``, ``Adasum``, the build
 flags and the dynamic timeline; gradsync's own communication hooks (``PowerSGD``) and
-``ZeroRedundancyOptimizer``.
+``ZeroRedundancyOptimizer``; ``elastic`` at a fixed number of ranks.
 ``DistributedOptimizer``, ``broadcast_parameters`` and
 ``broadcast_optimizer_state`` are also ``gradsync.``'s. The framework-agnostic ``gradsync``
 namespace keeps its own API (``gradsync.allreduce`` has no ``average=`` and no autograd).
@@ -13,6 +13,7 @@ namespace keeps its own API (``gradsync.allreduce`` has no ``average=`` and no a
 Importing it imports torch; ``import gradsync`` alone does not.
 """
 
+from . import elastic
 from .basics import (
     Adasum,
     Average,
@@ -112,5 +113,5 @@ __all__ = [
     "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
-    "handle_average_backwards_compatibility", "Compression", "SyncBatchNorm",
+    "handle_average_backwards_compatibility", "Compression", "SyncBatchNorm", "elastic",
 ]
