@@ -182,7 +182,7 @@ class MessageTable:
                 error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
                          "cannot broadcast")
             if error is None and first.refuse_join and joined:
-                responses.append(_refused_response(first, (name,), self._joined_world()))
+                responses.append(_refused_response(first, (name,), self.world, self.joined))
             elif error is not None:
                 responses.append(Response(first.kind, (name,), error=error))
             elif first.kind == Kind.ALLREDUCE:
@@ -205,9 +205,6 @@ class MessageTable:
                          if r.kind != Kind.JOIN else r for r in responses]
         return tuple(responses)
 
-    def _joined_world(self) -> list[int]:
-        return sorted(self.world[r] for r in self.joined)
-
     def _take(self, name: str, representative: dict[str, Request]) -> tuple[list[Request | None], Request]:
         """Remove ``name`` from the table, answered: its slots, and its first request (recorded in
         ``representative``, from which joined ranks build their stand-ins)."""
@@ -227,7 +224,7 @@ class MessageTable:
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
         if error is None and first.refuse_join and self.joined:
-            return _refused_response(first, names, self._joined_world())
+            return _refused_response(first, names, self.world, self.joined)
         if error is not None:
             kind = first.kind.name.lower()
             return Response(first.kind, names, error=f"grouped {kind} {first.group!r} fails as a whole: "
@@ -237,9 +234,11 @@ class MessageTable:
         return Response(first.kind, names)
 
 
-def _refused_response(request: Request, names: tuple[str, ...], joined: list[int]) -> Response:
-    """The error response of a ``refuse_join`` collective (alone, or a whole group) while the world
-    ranks ``joined`` have joined."""
+def _refused_response(request: Request, names: tuple[str, ...], world: tuple[int, ...],
+                      ranks: Iterable[int]) -> Response:
+    """The error response of a ``refuse_join`` collective (alone, or a whole group) while ``ranks``
+    of the set (``world[r]`` in the world's numbering, which the error gives) have joined."""
+    joined = sorted(world[r] for r in ranks)
     kind = request.kind.name.lower()
     what = f"{kind} {request.name!r}"
     if request.group:
@@ -350,7 +349,7 @@ class Negotiator:
             bit = own(request)  # this rank's own request cached: the common case, without lookup()
             if bit < 0:
                 state, bit = self.cache.lookup(request)
-                if state is Lookup.MISS or state is Lookup.INVALID:
+                if state is not Lookup.HIT:
                     if state is Lookup.INVALID:
                         invalid |= 1 << bit
                     uncached.append(request)
@@ -439,9 +438,6 @@ class Negotiator:
         return (ready, invalid_any, bool(common_flags & _UNCACHED_FLAG),
                 bool(common_flags & _SHUTDOWN_FLAG), bool(common_flags & _STALL_FLAG))
 
-    def _joined_world(self) -> list[int]:
-        return sorted(self.world[r] for r in self.joined)
-
     def _cached_responses(self, ready: int) -> list[Response]:
         responses: list[Response] = []
         allreduces: list[Request] = []
@@ -455,15 +451,15 @@ class Negotiator:
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
             elif joined and request.refuse_join:
-                responses.append(_refused_response(request, (request.name,), self._joined_world()))
+                responses.append(_refused_response(request, (request.name,), self.world, joined))
             elif request.kind is allreduce:
                 allreduces.append(request)
                 sizes.append(size)
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
         self._ready_bits &= ~ready
-        responses += [_refused_response(members[0], tuple(r.name for r in members), self._joined_world())
-                      if members[0].refuse_join and self.joined else
+        responses += [_refused_response(members[0], tuple(r.name for r in members), self.world, joined)
+                      if joined and members[0].refuse_join else
                       Response(members[0].kind, tuple(r.name for r in members), requests=tuple(members))
                       for members in groups.values()]
         responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
