@@ -178,12 +178,12 @@ def test_beside_a_joined_rank_these_fail_on_every_other_rank_as_horovods_do(op, 
 def test_gradsyncs_own_allgather_still_runs_beside_a_joined_rank():
     if hvd.size() == 1:
         pytest.skip("needs a rank that joins and one that does not")
-    if hvd.rank() == 0:
-        hvd.join()
-    else:
+    gathered = None
+    if hvd.rank() != 0:
         gathered = gradsync.allgather(torch.full((1, 2), float(hvd.rank())), name="core.allgather.join")
+    hvd.join()  # every rank before any assertion: no rank is left waiting
+    if hvd.rank() != 0:
         assert gathered.tolist() == [[float(r)] * 2 for r in range(1, hvd.size())]
-        hvd.join()
 
 
 def test_sparse_allreduce_async_equals_the_dense_allreduce():
