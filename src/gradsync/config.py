@@ -53,9 +53,11 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "cycle_time", float, 1.0, "milliseconds",
-        "How long the coordinator waits for more requests before negotiating again while some of its "
-        "requests are still waiting for other ranks. A new request always wakes it at once; with no "
-        "pending work it sleeps until one arrives.",
+        "The least time from the end of one negotiation cycle to the start of the next: asynchronous "
+        "requests that arrive within it (gradients during backward) are negotiated together in the "
+        "next cycle, and requests still waiting for other ranks are negotiated again after it. A request "
+        "that arrives after it has passed, a blocking op, and synchronize() of a handle not yet done "
+        "start a cycle at once; with no pending work the coordinator sleeps until a request arrives.",
         horovod="HOROVOD_CYCLE_TIME",
     ),
     Setting(

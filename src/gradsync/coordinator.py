@@ -11,8 +11,9 @@ A cycle (:meth:`Coordinator.cycle`):
 One owner at a time: the coordinator's state (pending entries, executors, communicators) is touched
 only by the thread running a cycle, which holds :attr:`Coordinator.lock`. That is the background
 thread, which sleeps on the queue's condition variable while there is nothing to do (no polling,
-PERF-NOTES.md fact 3) and cycles again after ``cycle_time`` ms while requests wait for other
-ranks; or, with ``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
+PERF-NOTES.md fact 3), lets asynchronous requests that arrive within ``cycle_time`` ms of the last
+cycle gather into the next one (unless a thread waits for one: ``queue.hurry``, a blocking op),
+and cycles again after ``cycle_time`` ms while requests wait for other ranks; or, with ``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
 whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
 background thread is idle) it runs the cycles itself until its handle is done
 (:meth:`Coordinator.run_for`), with no hand-off to the background thread and back. Both run the
@@ -139,6 +140,7 @@ class Coordinator(CallerRuns, ResponseExecution):
             self._check_device(entry)
         host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
         for entry in entries:
+            entry.handle._hurry = self.queue.hurry
             if self.caller_runs and host:
                 entry.handle._runner = self.run_for
         mine = self._turn == threading.get_ident()
@@ -186,15 +188,15 @@ class Coordinator(CallerRuns, ResponseExecution):
     def _run(self) -> None:
         """The background thread: wait for work (or the cycle time, or the heartbeat), cycle."""
         crashed = False
-        timeout, wakes = self._heartbeat, self.queue.wakes
+        timeout, batching, wakes = self._heartbeat, False, self.queue.wakes
         try:
             while True:
-                self.queue.wait(timeout, wakes)
+                self.queue.wait(timeout, wakes, batching)
                 with self.lock:  # a caller that ran cycles meanwhile wakes it after releasing it
                     wakes = self.queue.wakes
                     if self._due() and not self.cycle():
                         return
-                    timeout = self._next_wait()
+                    timeout, batching = self._next_wait()
         except BaseException as exc:  # the thread must never die silently
             crashed = True
             self._crashed(exc)
@@ -245,18 +247,27 @@ class Coordinator(CallerRuns, ResponseExecution):
         return self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
 
     def _due(self) -> bool:
-        """Whether the background thread, woken, runs a cycle now: new work, a stop, or the
-        interval since the last cycle (which a caller may have run meanwhile) has passed."""
+        """Whether the background thread, woken, runs a cycle now: new requests once the cycle
+        time has passed since the last cycle (which a caller may have run meanwhile), so that
+        asynchronous requests arriving together (gradients during backward) share a cycle; at
+        once when a thread waits for one (a blocking op, synchronize()) or gradsync stops; without
+        new work, once the interval since the last cycle has passed."""
+        since = time.monotonic() - self._last_cycle
+        if self.queue.has_work():
+            return self.queue.pressing() or since >= self.negotiator.cycle_time / 1000.0
         interval = self._interval()
-        return (self.queue.has_work() or
-                (interval is not None and time.monotonic() - self._last_cycle >= interval))
+        return interval is not None and since >= interval
 
-    def _next_wait(self) -> float | None:
-        """How long the background thread sleeps before its next cycle, unless woken."""
+    def _next_wait(self) -> tuple[float | None, bool]:
+        """How long the background thread sleeps before its next cycle unless woken, and whether
+        it is batching new requests (then only a waiting thread or a stop wakes it early)."""
+        if self.queue.has_work():
+            gap = self.negotiator.cycle_time / 1000.0
+            return max(0.0, self._last_cycle + gap - time.monotonic()), True
         interval = self._interval()
         if interval is None:
-            return None
-        return max(0.0, self._last_cycle + interval - time.monotonic())
+            return None, False
+        return max(0.0, self._last_cycle + interval - time.monotonic()), False
 
     def _stall_due(self, now_ns: int) -> bool:
         """Whether this rank asks for a stall report in this cycle."""

@@ -21,7 +21,7 @@ class Handle:
     result, and the host does not block.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_completion", "_runner")
+    __slots__ = ("name", "_event", "_result", "_error", "_completion", "_runner", "_hurry")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -32,6 +32,8 @@ class Handle:
         # Caller runs: the coordinator's run_for, which runs the cycles in the waiting thread if
         # its coordinator is idle (None: the coordinator thread does; see gradsync.coordinator).
         self._runner: Callable[[Handle], None] | None = None
+        # The queue's hurry: a thread waits, so the coordinator cycles without batching.
+        self._hurry: Callable[[], None] | None = None
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
@@ -57,6 +59,8 @@ class Handle:
         """
         if timeout is None and self._runner is not None and not self._event.is_set():
             self._runner(self)
+        if self._hurry is not None and not self._event.is_set():
+            self._hurry()
         if not self._event.wait(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:

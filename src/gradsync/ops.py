@@ -28,7 +28,7 @@ from .fusion import split_rows
 from .handles import GroupHandle, Handle
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
-from .queue import Entry
+from .queue import WAITING, Entry
 
 if TYPE_CHECKING:  # imported by init() only (it imports mpi4py.MPI)
     from .coordinator import Coordinator
@@ -747,16 +747,31 @@ def allgather_object(obj: Any, name: str | None = None,
     return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
 
 
-def _now(process_set: ProcessSet, start: Callable[..., Handle | GroupHandle], *args: Any) -> Any:
-    """A blocking op: ``start(*args)`` (its ``*_async`` form) and wait for it, as the caller's
-    turn (:meth:`Coordinator.caller_turn`: with caller runs, this thread takes the coordinator
-    before it submits, so that the cycle runs here and no thread is woken). Errors are
-    ``start``'s and :func:`synchronize`'s."""
+@contextlib.contextmanager
+def blocking(process_set: ProcessSet = global_process_set) -> Iterator[None]:
+    """Around a blocking op's submission and wait, as the caller's turn
+    (:meth:`Coordinator.caller_turn`): with caller runs, this thread takes the coordinator before
+    it submits, so that the push wakes no one and the cycle runs here. Framework adapters whose
+    blocking ops are ``synchronize(*_async(...))`` (gradsync.torch's) submit inside it. Does
+    nothing (the op waits as an asynchronous one) if gradsync is not initialised, this rank is not
+    in ``process_set``, the background thread is busy, or caller runs is off; raises nothing of
+    its own."""
     try:
         coordinator = runtime.get().coordinator_for(process_set, "")
-    except Exception:  # noqa: BLE001 - start() raises it again, with the op's own message
-        return synchronize(start(*args))
-    with coordinator.caller_turn():
+    except Exception:  # noqa: BLE001 - the op itself raises it again, with its own message
+        coordinator = None
+    token = WAITING.set(True)  # what this thread pushes, it waits for: no batching
+    try:
+        with coordinator.caller_turn() if coordinator is not None else contextlib.nullcontext():
+            yield
+    finally:
+        WAITING.reset(token)
+
+
+def _now(process_set: ProcessSet, start: Callable[..., Handle | GroupHandle], *args: Any) -> Any:
+    """A blocking op: ``start(*args)`` (its ``*_async`` form) and wait for it, in :func:`blocking`.
+    Errors are ``start``'s and :func:`synchronize`'s."""
+    with blocking(process_set):
         return synchronize(start(*args))
 
 

@@ -10,6 +10,7 @@ queue's lock, even while the coordinator thread is blocked in MPI for good.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import threading
 import time
@@ -48,6 +49,10 @@ class Entry:
     stream: Any = None
 
 
+# True inside a blocking op (ops.blocking): its thread waits for what it pushes at once, so the
+# push is urgent and the coordinator cycles without waiting to batch more requests.
+WAITING: contextvars.ContextVar[bool] = contextvars.ContextVar("gradsync_waiting", default=False)
+
 # What a stopped queue raises and fails its handles with: called with the message.
 ErrorType = Callable[[str], GradsyncError]
 
@@ -65,6 +70,8 @@ class TensorQueue:
         self._in_flight: dict[str, Entry] = {}
         self._shutdown = False
         self._interrupted = False
+        self._urgent = False  # a thread waits for something queued (see hurry)
+        self._batching = False  # the coordinator waits for the cycle time to pass (see wait)
         self.wakes = 0  # how often wake() was called: a wait that saw an older count returns at once
         self.closed_error: BaseException | None = None
         self.failure: str | None = None  # why gradsync stopped, when MPI can no longer finish cleanly
@@ -84,13 +91,24 @@ class TensorQueue:
 
     def push_all(self, entries: list[Entry], wake: bool = True) -> None:
         """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`.
-        ``wake=False``: do not wake the coordinator's thread (the caller runs the cycle itself)."""
+        ``wake=False``: do not wake the coordinator's thread (the caller runs the cycle itself).
+        Inside a blocking op (:data:`WAITING`) the push is urgent, as after :meth:`hurry`."""
         with self._cond:
             for entry in entries:
                 self._check_free(entry)
             self._in_flight.update((entry.request.name, entry) for entry in entries)
             self._new.extend(entries)
-            if wake:
+            if WAITING.get():
+                self._urgent = True
+            if wake and (self._urgent or not self._batching):  # a batching wait ends on its own
+                self._cond.notify()
+
+    def hurry(self) -> None:
+        """A thread is about to wait for a collective in flight: the coordinator's next cycle is
+        due at once, not after the cycle time that batches asynchronous requests."""
+        with self._cond:
+            if not self._urgent:
+                self._urgent = True
                 self._cond.notify()
 
     def _check_free(self, entry: Entry) -> None:
@@ -113,10 +131,16 @@ class TensorQueue:
             self._cond.notify()
 
     def has_work(self) -> bool:
-        """Whether a cycle is due at once: new entries, shutdown asked for, :meth:`interrupt` or
-        :meth:`close` called."""
+        """Whether a cycle has something to do: new entries, shutdown asked for, :meth:`interrupt`
+        or :meth:`close` called."""
         with self._cond:
             return bool(self._new or self._shutdown or self._interrupted or self.closed_error)
+
+    def pressing(self) -> bool:
+        """Whether a cycle is due at once, without batching: a thread waits (:meth:`hurry`, a
+        blocking op's push), shutdown asked for, :meth:`interrupt` or :meth:`close` called."""
+        with self._cond:
+            return bool(self._urgent or self._shutdown or self._interrupted or self.closed_error)
 
     def wake(self) -> None:
         """Wake the coordinator's thread so that it looks again (a caller ran cycles meanwhile)."""
@@ -124,20 +148,28 @@ class TensorQueue:
             self.wakes += 1
             self._cond.notify()
 
-    def wait(self, timeout: float | None, wakes: int | None = None) -> None:
+    def wait(self, timeout: float | None, wakes: int | None = None, batching: bool = False) -> None:
         """Block until there are new entries, shutdown was asked for, :meth:`interrupt`,
-        :meth:`close` or :meth:`wake` was called (or had been, since :attr:`wakes` was ``wakes``),
-        or ``timeout`` seconds passed (None: no limit)."""
+        :meth:`close`, :meth:`hurry` or :meth:`wake` was called (or had been, since :attr:`wakes`
+        was ``wakes``), or ``timeout`` seconds passed (None: no limit). ``batching``: new entries
+        do not end the wait (the coordinator lets more arrive until ``timeout``) unless a thread
+        waits for one (:meth:`hurry`); the rest do. An urgent flag without new entries (a thread
+        waits for a request already negotiated, pending on other ranks) ends no wait."""
         with self._cond:
-            if not (self._new or self._shutdown or self._interrupted or self.closed_error
+            if not ((self._new and (self._urgent or not batching))
+                    or self._shutdown or self._interrupted or self.closed_error
                     or (wakes is not None and wakes != self.wakes)):
-                self._cond.wait(timeout)
+                self._batching = batching
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._batching = False
 
     def take(self) -> tuple[list[Entry], bool]:
         """The entries queued since the last call, and whether shutdown was asked for."""
         with self._cond:
             entries, self._new = self._new, []
-            self._interrupted = False
+            self._interrupted = self._urgent = False
             return entries, self._shutdown
 
     def finished(self, names: list[str]) -> None:

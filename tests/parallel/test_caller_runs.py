@@ -84,6 +84,35 @@ def test_blocking_ops_run_their_cycles_in_the_caller_only_when_on(caller_runs, c
         assert not in_caller and cycle_threads, cycle_threads
 
 
+def test_horovod_blocking_ops_are_submitted_as_the_callers_turn(caller_runs, monkeypatch):
+    # gradsync.torch's blocking ops are synchronize(*_async(...)): with caller runs they submit in
+    # the caller's turn, so the push wakes no thread (wake=False) and the cycle runs in the caller.
+    torch = pytest.importorskip("torch")
+    import gradsync.torch as hvd
+
+    queue = gradsync.runtime.get().coordinator.queue
+    wakes: list[bool] = []
+    push_all = queue.push_all
+
+    def recorded(entries, wake=True):
+        wakes.append(wake)
+        return push_all(entries, wake)
+
+    monkeypatch.setattr(queue, "push_all", recorded)
+    rank, size = gradsync.rank(), gradsync.size()
+    for i in range(10):
+        tensor = torch.arange(16, dtype=torch.float64) + 1000.0 * rank
+        hvd.allreduce_(tensor, op=hvd.Sum, name=f"cr.hvd.{i}")
+        torch.testing.assert_close(tensor, torch.from_numpy(np.sum(everyone(16), 0)))
+        gathered = hvd.allgather(torch.full((1,), float(rank)), name=f"cr.hvd.ag.{i}")
+        torch.testing.assert_close(gathered, torch.arange(size, dtype=torch.float32))
+    assert len(wakes) == 20
+    if caller_runs:  # the background thread may be inside an idle heartbeat cycle now and then
+        assert wakes.count(True) <= 2, wakes
+    else:
+        assert all(wakes), wakes
+
+
 def test_a_handle_already_done_runs_no_cycle(caller_runs, cycle_threads):
     handle = gradsync.allreduce_async(mine(gradsync.rank(), 4), name="cr.done", op=gradsync.Sum)
     gradsync.synchronize(handle)

@@ -62,12 +62,13 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         ParametersTypeError (a TypeError and a ValueError): ``params`` is none of those kinds.
         ValueError: ``root_rank`` out of range. CollectiveError: shapes or dtypes differ by rank.
     """
-    handles = [ops.broadcast_async_(tensor.detach(), root_rank,
-                                    name=None if name is None else f"broadcast.{name}",
-                                    process_set=process_set)
-               for name, tensor in _named(params) if tensor is not None]
-    for handle in handles:
-        ops.synchronize(handle)
+    with ops.blocking(process_set):  # submitted together, negotiated in this thread's cycles
+        handles = [ops.broadcast_async_(tensor.detach(), root_rank,
+                                        name=None if name is None else f"broadcast.{name}",
+                                        process_set=process_set)
+                   for name, tensor in _named(params) if tensor is not None]
+        for handle in handles:
+            ops.synchronize(handle)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,

@@ -181,8 +181,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Blocking :func:`allreduce_async_` (``horovod.torch.allreduce_``): returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+    with ops.blocking(process_set):
+        return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                            postscale_factor, process_set))
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -192,10 +193,11 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        handle = allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                 process_set)
-        ctx.name = handle.name
-        return synchronize(handle)
+        with ops.blocking(process_set):
+            handle = allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                     process_set)
+            ctx.name = handle.name
+            return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -251,8 +253,9 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Blocking :func:`grouped_allreduce_async_`: returns the list of ``tensors``."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+    with ops.blocking(process_set):
+        return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                    postscale_factor, process_set))
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -262,10 +265,11 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
-                                         postscale_factor, process_set)
-        ctx.name = handle.name
-        return tuple(synchronize(handle))
+        with ops.blocking(process_set):
+            handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
+                                             postscale_factor, process_set)
+            ctx.name = handle.name
+            return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -341,9 +345,10 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         ctx.dim, ctx.process_set = tensor.shape[0] if tensor.dim() else 0, process_set
-        handle = allgather_async(tensor, name, process_set)
-        ctx.name = handle.name
-        return synchronize(handle)
+        with ops.blocking(process_set):
+            handle = allgather_async(tensor, name, process_set)
+            ctx.name = handle.name
+            return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -389,9 +394,10 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):
         ctx.dims = [t.shape[0] if t.dim() else 0 for t in tensors]
         ctx.process_set = process_set
-        handle = grouped_allgather_async(list(tensors), name, process_set)
-        ctx.name = handle.name
-        return tuple(synchronize(handle))
+        with ops.blocking(process_set):
+            handle = grouped_allgather_async(list(tensors), name, process_set)
+            ctx.name = handle.name
+            return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -436,9 +442,10 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        handle = broadcast_async(tensor, root_rank, name, process_set)
-        ctx.name = handle.name
-        return synchronize(handle)
+        with ops.blocking(process_set):
+            handle = broadcast_async(tensor, root_rank, name, process_set)
+            ctx.name = handle.name
+            return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -504,8 +511,9 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        handle = alltoall_async(tensor, splits, name, process_set)
-        output, received = synchronize(handle)
+        with ops.blocking(process_set):
+            handle = alltoall_async(tensor, splits, name, process_set)
+            output, received = synchronize(handle)
         ctx.name, ctx.process_set, ctx.recvsplits = handle.name, process_set, received
         if splits is None:
             return output
@@ -555,9 +563,10 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.args = (op, process_set, prescale_factor * postscale_factor)
-        handle = reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
-        ctx.name = handle.name
-        return synchronize(handle)
+        with ops.blocking(process_set):
+            handle = reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+            ctx.name = handle.name
+            return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -604,10 +613,11 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.args = (op, process_set, prescale_factor * postscale_factor)
-        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
-                                             postscale_factor)
-        ctx.name = handle.name
-        return tuple(synchronize(handle))
+        with ops.blocking(process_set):
+            handle = grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                                 postscale_factor)
+            ctx.name = handle.name
+            return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grad_output):
