@@ -52,6 +52,14 @@ SETTINGS: tuple[Setting, ...] = (
         horovod="HOROVOD_FUSION_THRESHOLD",
     ),
     Setting(
+        "small_gradient_bytes", int, 256 << 10, "bytes",
+        "DistributedOptimizer (PyTorch) copies gradients smaller than this into buckets of up to the "
+        "fusion threshold, cut in reverse parameter order (DDP's layout), and allreduces each bucket "
+        "once all its gradients are ready: one collective per bucket instead of one per gradient. "
+        "Larger gradients are allreduced alone, in place. Only without a comm_hook, "
+        "gradient_as_bucket_view, groups, compression or Adasum. 0: every gradient alone.",
+    ),
+    Setting(
         "cycle_time", float, 1.0, "milliseconds",
         "The least time from the end of one negotiation cycle to the start of the next: asynchronous "
         "requests that arrive within it (gradients during backward) are negotiated together in the "
@@ -172,6 +180,7 @@ class Config:
     """Resolved configuration of one ``gradsync.init()``; see :data:`SETTINGS` for meanings."""
 
     fusion_threshold: int = 1 << 20
+    small_gradient_bytes: int = 256 << 10
     cycle_time: float = 1.0
     caller_runs: bool = True
     shutdown_timeout: float = 30.0

@@ -13,7 +13,8 @@ only by the thread running a cycle, which holds :attr:`Coordinator.lock`. That i
 thread, which sleeps on the queue's condition variable while there is nothing to do (no polling,
 PERF-NOTES.md fact 3), lets asynchronous requests that arrive within ``cycle_time`` ms of the last
 cycle gather into the next one (unless a thread waits for one: ``queue.hurry``, a blocking op),
-and cycles again after ``cycle_time`` ms while requests wait for other ranks; or, with ``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
+and cycles again after ``cycle_time`` ms while requests wait for other ranks; or, with
+``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
 whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
 background thread is idle) it runs the cycles itself until its handle is done
 (:meth:`Coordinator.run_for`), with no hand-off to the background thread and back. Both run the

@@ -45,6 +45,9 @@ class Reduction:
     comm_hook: Any = None  # None: each gradient allreduced alone; else buckets, reduced by it
     bucket_views: bool = False  # p.grad a view into its bucket's buffer (with comm_hook only)
     bucket_bytes: int = 1 << 20  # a bucket's capacity (the fusion threshold)
+    # With comm_hook: only gradients smaller than this (bytes) go into buckets, the others are
+    # allreduced alone (the default's small-gradient buckets); 0: every gradient into a bucket.
+    bucket_below: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ class GradientReducer:
             self.groups = {}
 
     def _add_buckets(self, params: list[torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> None:
+        below = self.reduction.bucket_below
+        if below and not groups:  # the larger gradients are allreduced alone (hand_over)
+            params = [p for p in params if p.numel() * p.element_size() < below]
         layouts = cut_buckets(params, self.reduction.bucket_bytes, groups, len(self.layouts))
         self.layouts += layouts
         self.buckets.update((param, layout) for layout in layouts for param in layout.params)

@@ -681,17 +681,41 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     try:
         views = comm_hook is not None if gradient_as_bucket_view is None else bool(gradient_as_bucket_view)
         prescale, postscale = 1.0 / float(gradient_predivide_factor), float(gradient_predivide_factor)
-        if comm_hook is None and views and op != ReduceOp.Adasum:
+        config = runtime.get().config
+        below = _small_gradient_buckets(config, comm_hook, gradient_as_bucket_view, op, groups,
+                                        compression)
+        if comm_hook is None and (views or below) and op != ReduceOp.Adasum:
             comm_hook = CompressedAllreduce(compression, prescale, postscale)
         reduction = Reduction(op, prescale, postscale, compression, bool(sparse_as_dense),
                               process_set, comm_hook=comm_hook, bucket_views=views and comm_hook is not None,
-                              bucket_bytes=runtime.get().config.fusion_threshold)
+                              bucket_bytes=(max(config.fusion_threshold, SMALL_GRADIENT_BUCKET_BYTES)
+                                            if below else config.fusion_threshold),
+                              bucket_below=below)
         optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), reduction,
                                   groups, bool(synchronize_in_backward))
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise
     return optimizer
+
+
+# The capacity of the default's small-gradient buckets: DDP's bucket_cap_mb (25 MB), or the fusion
+# threshold if larger. Fewer, larger buckets beat 1 MiB ones for the 291-gradient transformer of
+# benchmarks/train_step.py (docs/benchmarks.md); a larger gradient is allreduced alone anyway.
+SMALL_GRADIENT_BUCKET_BYTES = 25 << 20
+
+
+def _small_gradient_buckets(config, comm_hook, gradient_as_bucket_view, op, groups,
+                            compression) -> int:
+    """The size (bytes) below which the default reduction copies gradients into buckets
+    (``GRADSYNC_SMALL_GRADIENT_BYTES``), or 0 where each gradient is allreduced alone: a hook or
+    ``gradient_as_bucket_view`` chosen (they bucket every gradient), reduction groups (Horovod's
+    ``groups``, which say how to fuse), Adasum (per tensor), a compression (applied per tensor),
+    or fusion off (``GRADSYNC_FUSION_THRESHOLD=0``, which also caps the buckets)."""
+    if (comm_hook is not None or gradient_as_bucket_view is not None or op == ReduceOp.Adasum
+            or groups or compression is not Compression.none or config.fusion_threshold <= 0):
+        return 0
+    return max(0, config.small_gradient_bytes)
 
 
 def _check_hook(rank: int, comm_hook, compression, gradient_predivide_factor, op) -> None:

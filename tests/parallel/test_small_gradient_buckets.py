@@ -1,0 +1,104 @@
+"""DistributedOptimizer's default buckets for small gradients (GRADSYNC_SMALL_GRADIENT_BYTES):
+gradients below the size share one allreduce per bucket, larger ones are allreduced alone, and
+the averaged gradients equal the average of every rank's local gradients (torch alone, on each
+rank) either way."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+import gradsync
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+
+def build():
+    """Linear(300, 300): a 360,000-byte weight (above the default 256 KiB) and a small bias;
+    Linear(300, 4): both small."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.ReLU(), torch.nn.Linear(300, 4))
+
+
+def batch_of(r: int):
+    g = torch.Generator().manual_seed(11 + r)
+    return torch.randn(6, 300, generator=g), torch.randn(6, 4, generator=g)
+
+
+def loss_of(model, r: int):
+    x, y = batch_of(r)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(model) -> dict[str, torch.Tensor]:
+    """The average over every rank of the gradients its batch gives ``model``."""
+    total: dict[str, torch.Tensor] = {}
+    for r in range(gradsync.size()):
+        twin = copy.deepcopy(model)
+        loss_of(twin, r).backward()
+        for name, p in twin.named_parameters():
+            total[name] = total.get(name, 0) + p.grad
+    return {name: g / gradsync.size() for name, g in total.items()}
+
+
+@pytest.fixture
+def submitted(monkeypatch):
+    """The names of the collectives this rank submits, in order."""
+    queue = gradsync.runtime.get().coordinator.queue
+    names: list[str] = []
+    push_all = queue.push_all
+
+    def recorded(entries, wake=True):
+        names.extend(entry.request.name for entry in entries)
+        return push_all(entries, wake)
+
+    monkeypatch.setattr(queue, "push_all", recorded)
+    return names
+
+
+def grad_names(names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith("grad.")]
+
+
+def train_one_backward(model, **kwargs):
+    optimizer = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              named_parameters=model.named_parameters(), **kwargs)
+    expected = reference(model)
+    loss_of(model, gradsync.rank()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+    optimizer.step()
+
+
+def test_small_gradients_share_a_bucket_and_a_large_one_goes_alone(submitted):
+    model = build()
+    train_one_backward(model)
+    grads = grad_names(submitted)
+    assert "grad.0.weight" in grads, grads
+    assert not {"grad.0.bias", "grad.2.weight", "grad.2.bias"} & set(grads), grads
+    assert len([n for n in grads if n.startswith("grad.bucket.")]) == 1, grads
+
+
+def test_with_the_size_0_every_gradient_goes_alone(submitted, monkeypatch):
+    state = gradsync.runtime.get()
+    monkeypatch.setattr(state, "config", dataclasses.replace(state.config, small_gradient_bytes=0))
+    train_one_backward(build())
+    grads = grad_names(submitted)
+    assert {"grad.0.weight", "grad.0.bias", "grad.2.weight", "grad.2.bias"} <= set(grads), grads
+    assert not [n for n in grads if n.startswith("grad.bucket.")], grads
+
+
+def test_a_compression_reduces_every_gradient_alone(submitted):
+    model = build()
+    optimizer = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              named_parameters=model.named_parameters(),
+                                              compression=gradsync.Compression.fp16)
+    loss_of(model, gradsync.rank()).backward()
+    optimizer.step()
+    grads = grad_names(submitted)
+    assert {"grad.0.bias", "grad.2.weight", "grad.2.bias"} <= set(grads), grads
+    assert not [n for n in grads if n.startswith("grad.bucket.")], grads
