@@ -53,8 +53,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "small_gradient_bytes", int, 256 << 10, "bytes",
-        "DistributedOptimizer (PyTorch) copies gradients smaller than this into buckets of up to the "
-        "fusion threshold, cut in reverse parameter order (DDP's layout), and allreduces each bucket "
+        "DistributedOptimizer (PyTorch) copies gradients smaller than this into buckets of up to 25 MiB "
+        "(DDP's bucket_cap_mb; the fusion threshold if larger), cut in reverse parameter order per "
+        "(device, dtype), as DDP's, and allreduces each bucket "
         "once all its gradients are ready: one collective per bucket instead of one per gradient. "
         "Larger gradients are allreduced alone, in place. Only without a comm_hook, "
         "gradient_as_bucket_view, groups, compression or Adasum. 0: every gradient alone.",

@@ -628,7 +628,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             allreduces before returning (on a GPU, the current stream waits; the host does not).
             False: Horovod's timing: ``step()`` or ``synchronize()`` waits, and gradients must not
             be read or changed before (an in-place change or a replaced ``p.grad`` raises there).
-        comm_hook: None (default): each gradient is allreduced on its own, as above. A
+        comm_hook: None (default): each gradient of ``GRADSYNC_SMALL_GRADIENT_BYTES`` (256 KiB)
+            or more is allreduced on its own, as above; smaller ones are copied into buckets
+            (reverse parameter order, per (device, dtype), up to 25 MiB or the fusion threshold if
+            larger), one allreduce per bucket, the results copied back: the same numbers, fewer
+            collectives (not with ``gradient_as_bucket_view``, ``groups``/``num_groups``, a
+            ``compression`` or ``op=Adasum``: then every gradient alone; docs/comm-hooks.md). A
             communication hook (:mod:`gradsync.torch.comm_hooks`; docs/comm-hooks.md): the
             parameters are cut into buckets (by (device, dtype), in reverse order, up to the fusion
             threshold, or the ``groups`` / ``num_groups`` groups), and each bucket, once all its
@@ -642,7 +647,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``gradient_as_bucket_view``); a gradient that is not the view (after
             ``zero_grad(set_to_none=True)``, or a replaced ``p.grad``) is copied in once and
             ``p.grad`` re-pointed at the view. None (default): True with a ``comm_hook``, else
-            False. True without a hook buckets the gradients with the default allreduce
+            False (and small gradients copied into buckets, above). True without a hook buckets
+            the gradients with the default allreduce
             (``compression`` and ``gradient_predivide_factor`` apply to each bucket). False with a
             hook: gradients are copied into the buckets and the results copied back.
 
