@@ -24,7 +24,7 @@ from gradsync.launch import (
     parse_library_version,
 )
 from gradsync.libraries import loaded_library
-from mpi_launch import REPO, flavour, run_mpi
+from mpi_launch import REPO, WORKERS, flavour, mpiexec, run_job, run_mpi
 
 OPEN_MPI = MpiLibrary("Open MPI", "5.0.11", frozenset({PMIX}), "/ompi/lib/libmpi.so.40")
 MPICH = MpiLibrary("MPICH", "5.0.2", frozenset({PMI}), "/mpich/lib/libmpi.so.12")
@@ -253,3 +253,24 @@ def test_under_mpiexec_rank_0_alone_logs_the_start_up_line():
     assert f"MPI: {'Open MPI' if flavour() == 'openmpi' else 'MPICH'} " in lines[0], lines[0]
     assert "no launcher" not in result.stderr
     assert all(f"initialised rank {r} of 2" in result.stdout for r in (0, 1)), result.stdout
+
+
+@pytest.mark.mpi
+def test_settings_that_differ_by_rank_stop_init_on_every_rank_with_each_ranks_value():
+    # GRADSYNC_SMALL_GRADIENT_BYTES decides which gradients share buckets: ranks that disagree
+    # would submit different collectives, so init() refuses, naming each rank's value.
+    if mpiexec() is None:
+        pytest.skip("no mpiexec found")
+    worker = [sys.executable, str(WORKERS / "init_only.py")]
+    if flavour() == "openmpi":
+        cmd = [mpiexec(), "-n", "1", "-x", "GRADSYNC_SMALL_GRADIENT_BYTES=0", *worker, ":",
+               "-n", "1", "-x", "GRADSYNC_SMALL_GRADIENT_BYTES=1024", *worker]
+    else:
+        cmd = [mpiexec(), "-n", "1", "-env", "GRADSYNC_SMALL_GRADIENT_BYTES", "0", *worker, ":",
+               "-n", "1", "-env", "GRADSYNC_SMALL_GRADIENT_BYTES", "1024", *worker]
+    result = run_job(cmd, 120, check=False)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("GradsyncError: ")]
+    assert result.returncode != 0 and len(errors) == 2, result.stdout
+    assert "GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) must be the same" in errors[0]
+    assert "rank 0: fusion_threshold=1048576" in errors[0] and "small_gradient_bytes=0" in errors[0]
+    assert "small_gradient_bytes=1024" in errors[0], errors[0]

@@ -256,12 +256,14 @@ def check_shared(comm, config: Config) -> None:
         GradsyncError: they differ; the message lists each rank's values.
     """
     mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
-            config.rank_failure_timeout_seconds)
+            config.rank_failure_timeout_seconds, config.small_gradient_bytes)
     everyone = comm.allgather(mine)
     if any(values != mine for values in everyone):
         listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
-                           f"rank_failure_timeout_seconds={f:g}" for r, (t, c, j, f) in enumerate(everyone))
+                           f"rank_failure_timeout_seconds={f:g}, small_gradient_bytes={b}"
+                           for r, (t, c, j, f, b) in enumerate(everyone))
         raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
-                            f"GRADSYNC_JOIN_DIVISOR and GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS must be the "
-                            f"same on every rank; got {listed}")
+                            f"GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS and "
+                            f"GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) must be "
+                            f"the same on every rank; got {listed}")
 
