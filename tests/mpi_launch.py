@@ -78,6 +78,31 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str] | None = None, c
     """Run ``cmd`` in its own process group, with mpi_launch's environment plus ``env`` minus
     ``unset``; on timeout kill the group, call ``cleanup``, and fail the test. The result's
     stdout holds stderr too unless ``separate_stderr``."""
+    for attempt in (1, 2):
+        result = _run_once(cmd, timeout, env, cleanup, cwd, unset, separate_stderr)
+        if result.returncode == 0 or not _launcher_did_not_start(result):
+            break
+        # Open MPI's launcher failed before starting any process (a known, random PRRTE start-up
+        # failure: its PMIx listener could not bind); nothing of the test ran, so launch again.
+        print(f"[mpi_launch] the launcher failed to start, launching again: {shlex.join(cmd)}")
+    if check and result.returncode != 0:
+        pytest.fail(f"{shlex.join(cmd)} exited with {result.returncode}; output:\n"
+                    f"{result.stdout}{result.stderr}")
+    return result
+
+
+# What Open MPI's launcher prints when it fails before starting any process.
+_LAUNCHER_START_FAILURES = ("The PMIx server's listener thread failed to start",)
+
+
+def _launcher_did_not_start(result: subprocess.CompletedProcess) -> bool:
+    output = result.stdout + result.stderr
+    return any(message in output for message in _LAUNCHER_START_FAILURES)
+
+
+def _run_once(cmd: list[str], timeout: float, env: dict[str, str] | None,
+              cleanup: Callable[[], None] | None, cwd: Path, unset: tuple[str, ...],
+              separate_stderr: bool) -> subprocess.CompletedProcess:
     job_env = {k: v for k, v in launch_env(env).items() if k not in unset}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT, text=True,
@@ -90,10 +115,7 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str] | None = None, c
             cleanup()
         output, errors = proc.communicate()
         pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s timeout; output:\n{output}{errors or ''}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, output, errors or "")
-    if check and proc.returncode != 0:
-        pytest.fail(f"{shlex.join(cmd)} exited with {proc.returncode}; output:\n{output}{errors or ''}")
-    return result
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, errors or "")
 
 
 PARALLEL = Path(__file__).parent / "parallel"
