@@ -84,6 +84,7 @@ def test_blocking_ops_run_their_cycles_in_the_caller_only_when_on(caller_runs, c
         assert not in_caller and cycle_threads, cycle_threads
 
 
+@pytest.mark.torch
 def test_horovod_blocking_ops_are_submitted_as_the_callers_turn(caller_runs, monkeypatch):
     # gradsync.torch's blocking ops are synchronize(*_async(...)): with caller runs they submit in
     # the caller's turn, so the push wakes no thread (wake=False) and the cycle runs in the caller.
