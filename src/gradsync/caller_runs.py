@@ -22,16 +22,28 @@ class CallerRuns:
         thread is idle, this thread takes :attr:`lock` first, so that the push wakes nobody and
         :meth:`run_for` cycles here at once. Otherwise (lock taken, caller runs off, a GPU set) it
         does nothing and the op waits as an asynchronous one would."""
-        if (not self.caller_runs or self.device.device is not None
-                or not self.lock.acquire(blocking=False)):
-            yield
-            return
-        self._turn = threading.get_ident()
+        taken = self.take_turn()
         try:
             yield
         finally:
-            if self._turn == threading.get_ident():
-                self._end_turn()
+            if taken:
+                self.finish_turn()
+
+    def take_turn(self) -> bool:
+        """:meth:`caller_turn`'s start, for callers that cannot afford a generator per op
+        (:class:`gradsync.ops.blocking`): True if this thread now holds its turn; then call
+        :meth:`finish_turn` afterwards, whatever happens."""
+        if (not self.caller_runs or self.device.device is not None
+                or not self.lock.acquire(blocking=False)):
+            return False
+        self._turn = threading.get_ident()
+        return True
+
+    def finish_turn(self) -> None:
+        """:meth:`caller_turn`'s end after :meth:`take_turn` returned True: release the lock unless
+        the turn already ended (a device entry handed the cycle to the background thread)."""
+        if self._turn == threading.get_ident():
+            self._end_turn()
 
     def _end_turn(self) -> None:
         """End a caller's turn. Requests left waiting for other ranks need the background thread's

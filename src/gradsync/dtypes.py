@@ -44,8 +44,15 @@ FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
 
 
+#: gradsync name of each supported numpy dtype (dtype_name's fast path: one dict lookup per op).
+_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The gradsync name of a numpy dtype ('float32', 'bfloat16', ...), or its str if unsupported."""
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None
+    if name is not None:
+        return name
     dtype = np.dtype(dtype)
     if dtype == NUMPY_DTYPES["bfloat16"]:
         return "bfloat16"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,11 +22,16 @@ class Handle:
     result, and the host does not block.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_completion", "_runner", "_hurry")
+    __slots__ = ("name", "_done", "_gate", "_result", "_error", "_completion", "_runner", "_hurry")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._event = threading.Event()
+        # Completion: ``_done`` says it, ``_gate`` (a lock held from here until completion) is what
+        # waiters block on. A bare lock costs a fraction of a threading.Event (a Condition and a
+        # lock per waiter), which every op used to pay for (docs/benchmarks.md, per-op cost).
+        self._done = False
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()
         self._result: Any = None
         self._error: BaseException | None = None
         self._completion: tuple[Any, int, Any] | None = None  # (device runtime, device, done event)
@@ -37,7 +43,7 @@ class Handle:
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its output tensor.
@@ -57,11 +63,11 @@ class Handle:
             gradsync.RankFailureError: another rank was lost (died, hung, or its coordinator
                 failed); the message names it.
         """
-        if timeout is None and self._runner is not None and not self._event.is_set():
+        if timeout is None and self._runner is not None and not self._done:
             self._runner(self)
-        if self._hurry is not None and not self._event.is_set():
+        if self._hurry is not None and not self._done:
             self._hurry()
-        if not self._event.wait(timeout):
+        if not self._done and not self._pass_gate(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
@@ -70,18 +76,28 @@ class Handle:
             runtime.wait(runtime.current_stream(device), done)
         return self._result
 
+    def _pass_gate(self, timeout: float | None) -> bool:
+        """Block until completion (True) or ``timeout`` seconds (False); each waiter takes the
+        released gate and hands it straight back, so any number of threads may wait."""
+        if self._gate.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+            self._gate.release()
+            return True
+        return self._done
+
     def _set_result(self, result: Any, completion: tuple[Any, int, Any] | None = None) -> None:
         with _COMPLETING:  # the first completion wins: the watchdog may fail a handle concurrently
-            if not self._event.is_set():
+            if not self._done:
                 self._result = result
                 self._completion = completion
-                self._event.set()
+                self._done = True
+                self._gate.release()
 
     def _set_error(self, error: BaseException) -> None:
         with _COMPLETING:
-            if not self._event.is_set():
+            if not self._done:
                 self._error = error
-                self._event.set()
+                self._done = True
+                self._gate.release()
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done() else "pending")

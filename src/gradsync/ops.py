@@ -130,8 +130,7 @@ class _Prepared(NamedTuple):
     allocate: Callable[..., tuple[Any, Any]] | None = None
 
     def entry(self, name: str, group: str = "", group_size: int = 0) -> Entry:
-        request = self.request._replace(name=name, group=group, group_size=group_size,
-                                        refuse_join=_REFUSE_JOIN.get())
+        request = self.request.queued_as(name, group, group_size, _REFUSE_JOIN.get())
         return _entry(request, self.source, self.target, self.result, self.device, self.allocate)
 
     def submit(self, name: str | None, kind: str) -> Handle:
@@ -747,25 +746,38 @@ def allgather_object(obj: Any, name: str | None = None,
     return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]
 
 
-@contextlib.contextmanager
-def blocking(process_set: ProcessSet = global_process_set) -> Iterator[None]:
+class blocking:  # noqa: N801 - used as a function, ``with blocking(process_set):``
     """Around a blocking op's submission and wait, as the caller's turn
     (:meth:`Coordinator.caller_turn`): with caller runs, this thread takes the coordinator before
     it submits, so that the push wakes no one and the cycle runs here. Framework adapters whose
     blocking ops are ``synchronize(*_async(...))`` (gradsync.torch's) submit inside it. Does
     nothing (the op waits as an asynchronous one) if gradsync is not initialised, this rank is not
     in ``process_set``, the background thread is busy, or caller runs is off; raises nothing of
-    its own."""
-    try:
-        coordinator = runtime.get().coordinator_for(process_set, "")
-    except Exception:  # noqa: BLE001 - the op itself raises it again, with its own message
-        coordinator = None
-    token = WAITING.set(True)  # what this thread pushes, it waits for: no batching
-    try:
-        with coordinator.caller_turn() if coordinator is not None else contextlib.nullcontext():
-            yield
-    finally:
-        WAITING.reset(token)
+    its own. A class rather than a generator: every blocking op enters one (docs/benchmarks.md,
+    per-op cost)."""
+
+    __slots__ = ("_process_set", "_coordinator", "_token")
+
+    def __init__(self, process_set: ProcessSet = global_process_set) -> None:
+        self._process_set = process_set
+        self._coordinator: Coordinator | None = None
+
+    def __enter__(self) -> None:
+        try:
+            coordinator = runtime.get().coordinator_for(self._process_set, "")
+        except Exception:  # noqa: BLE001 - the op itself raises it again, with its own message
+            coordinator = None
+        self._token = WAITING.set(True)  # what this thread pushes, it waits for: no batching
+        if coordinator is not None and coordinator.take_turn():
+            self._coordinator = coordinator
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self._coordinator is not None:
+                self._coordinator, coordinator = None, self._coordinator
+                coordinator.finish_turn()
+        finally:
+            WAITING.reset(self._token)
 
 
 def _now(process_set: ProcessSet, start: Callable[..., Handle | GroupHandle], *args: Any) -> Any:

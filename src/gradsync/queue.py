@@ -106,6 +106,8 @@ class TensorQueue:
     def hurry(self) -> None:
         """A thread is about to wait for a collective in flight: the coordinator's next cycle is
         due at once, not after the cycle time that batches asynchronous requests."""
+        if self._urgent:  # already hurried, and not yet taken (take() clears it under the lock):
+            return  # do not contend for the lock with the coordinator that was just woken
         with self._cond:
             if not self._urgent:
                 self._urgent = True
