@@ -213,7 +213,8 @@ def source_trees(specs: list[str]) -> list[tuple[str, str | None, list[str]]]:
 def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: str,
             csv_path: str | None, trees: list[tuple[str, str | None, list[str]]],
             optimizer_kind: str = "sgd") -> None:
-    """Launch every configuration `repeats` times, interleaved, and print a table of medians."""
+    """Launch every configuration `repeats` times, interleaved (in an order rotated by one per
+    repeat), and print a table of medians."""
     here = os.path.abspath(__file__)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -225,8 +226,11 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
                      ["--mode", "gradsync", "--fusion-threshold", str(t), *flags], True, tree_env)
                     for t in thresholds]
     results: dict[str, list[float]] = {name: [] for name, *_ in configs}
-    for _ in range(repeats):
-        for name, args, parallel, config_env in configs:
+    for repeat in range(repeats):
+        # Each repeat starts one configuration later: a configuration that always ran right after
+        # another ran ~7 ms slower per transformer step here, whichever version it was (order bias).
+        shift = repeat % len(configs)
+        for name, args, parallel, config_env in configs[shift:] + configs[:shift]:
             cmd = [sys.executable, here, *args, "--model", model, "--steps", str(steps),
                    "--optimizer", optimizer_kind]
             if parallel:
