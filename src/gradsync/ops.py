@@ -189,7 +189,7 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
     """Check the input of an allreduce or reducescatter (one member of a group, given ``where``)."""
     coordinator, adapter, info, device, where = _prepare(tensor, name, kind, process_set, where)
     try:
-        op = ReduceOp(op)
+        op = op if type(op) is ReduceOp else ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
     if op == ReduceOp.Adasum:  # allreduce and grouped_allreduce took it to gradsync.adasum before

@@ -69,7 +69,8 @@ class StallClock:
         """:meth:`due` for the oldest of the pending ``entries`` that a report is about."""
         if self.check_time <= 0:
             return False
-        oldest = min((ns for _, ns in waited_on(entries)), default=None)
+        join = Kind.JOIN  # as waited_on(), without building its list (this runs every cycle)
+        oldest = min((e.submitted_ns for e in entries if e.request.kind is not join), default=None)
         return self.due(None if oldest is None else oldest / 1e9, now_ns / 1e9)
 
     def due(self, oldest_submitted: float | None, now: float) -> bool:

@@ -85,6 +85,9 @@ class MpiBackend:
         with MPI_IN_PLACE); ``logical`` for 0/1 bool data. Split into chunks of at most
         :attr:`max_count` elements."""
         mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
+        if self.local is None and buffer.shape[0] <= self.max_count:  # the common case, at once
+            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
+            return
         for chunk in self._chunks(buffer):
             if self.local is None:
                 self.comm.Allreduce(MPI.IN_PLACE, chunk, op=mpi_op)
