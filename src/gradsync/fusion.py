@@ -56,9 +56,8 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
     (the response cache keeps them); ``with_requests``: fill ``Response.requests``.
     """
     sizes = sizes if sizes is not None else [nbytes(request) for request in ready]
-    if len(ready) == 1:  # one ready request (a blocking op): its own response, whatever its size
-        groups = [ready]
-    elif (keys := list(map(FUSION_KEY, ready))) and keys.count(keys[0]) == len(keys):
+    keys = list(map(FUSION_KEY, ready))
+    if keys and keys.count(keys[0]) == len(keys):
         groups = _pack_one_key(ready, sizes, threshold)
     else:
         groups = _pack(ready, sizes, keys, threshold)
@@ -272,12 +271,8 @@ def _allreduce(response: Response, entries: list, context: Context) -> FusionPla
     request = entries[0].request
     dtype = dtypes.accumulator(request.dtype, request.op == ReduceOp.Average, context.traits.native)
     finish = reduction(request, dtype, context.divisor, context.size, context.traits)
-    if len(entries) == 1:  # a lone tensor (every large gradient, every blocking op): one copy
-        counts = [_elements(entries[0])]
-        copies: tuple[Copy, ...] = (Copy(0, 0, counts[0]),)
-    else:
-        counts = [_elements(e) for e in entries]
-        copies = tuple(Copy(i, start, n) for i, (start, n) in enumerate(zip(_offsets(counts), counts)))
+    counts = [_elements(e) for e in entries]
+    copies = tuple(map(Copy, range(len(counts)), _offsets(counts), counts))  # member, offset, count
     if not _in_place(entries, entries[0].target, dtype, context.memory):
         return FusionPlan(Kind.ALLREDUCE, tuple(entries), dtype, sum(counts), False, copies, copies,
                           reduction=finish)

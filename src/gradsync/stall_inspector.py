@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .protocol import Kind
@@ -39,10 +39,11 @@ def heartbeat_interval(*deadlines: float) -> float | None:
     return min(max(min(active) / 4, 0.05), MAX_HEARTBEAT)
 
 
-def waited_on(entries: Iterable[Any]) -> list[tuple[str, int]]:
+def waited_on(entries: Iterable[Any]) -> Iterator[tuple[str, int]]:
     """(name, submission time in perf_counter ns) of the pending ``entries`` (gradsync.queue.Entry)
-    that a stall report is about; join() waits for the other ranks by design, so it is not one."""
-    return [(e.request.name, e.submitted_ns) for e in entries if e.request.kind != Kind.JOIN]
+    that a stall report is about; join() waits for the other ranks by design, so it is not one.
+    An iterator: the stall clock takes its minimum every cycle, without a list."""
+    return ((e.request.name, e.submitted_ns) for e in entries if e.request.kind is not Kind.JOIN)
 
 
 def pending_ages(entries: Iterable[Any], others: list[tuple[int, Any]]
@@ -69,8 +70,7 @@ class StallClock:
         """:meth:`due` for the oldest of the pending ``entries`` that a report is about."""
         if self.check_time <= 0:
             return False
-        join = Kind.JOIN  # as waited_on(), without building its list (this runs every cycle)
-        oldest = min((e.submitted_ns for e in entries if e.request.kind is not join), default=None)
+        oldest = min((ns for _, ns in waited_on(entries)), default=None)
         return self.due(None if oldest is None else oldest / 1e9, now_ns / 1e9)
 
     def due(self, oldest_submitted: float | None, now: float) -> bool:

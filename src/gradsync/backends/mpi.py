@@ -85,9 +85,6 @@ class MpiBackend:
         with MPI_IN_PLACE); ``logical`` for 0/1 bool data. Split into chunks of at most
         :attr:`max_count` elements."""
         mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
-        if self.local is None and buffer.shape[0] <= self.max_count:  # the common case, at once
-            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
-            return
         for chunk in self._chunks(buffer):
             if self.local is None:
                 self.comm.Allreduce(MPI.IN_PLACE, chunk, op=mpi_op)
@@ -98,6 +95,8 @@ class MpiBackend:
         """``buffer`` (1-d) as consecutive views of at most :attr:`max_count` elements (one, empty,
         for an empty buffer)."""
         size = buffer.shape[0]
+        if size <= self.max_count:  # the common case (every op runs this): no range, no slice
+            return [buffer]
         return [buffer[i:i + self.max_count] for i in range(0, max(size, 1), self.max_count)]
 
     def _hierarchical_allreduce(self, buffer: np.ndarray, mpi_op: MPI.Op) -> None:
