@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import ops
+from .. import ops, runtime
 from ..compression import Compressor
 from ..fusion import split_rows
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
 from .buckets import Bucket, Layout, cut_buckets, is_view
+from .model_check import check_same_model, parameter_specs
 from .mpi_ops import sparse_allreduce_async
 
 DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + its sparse_dim
@@ -95,6 +96,13 @@ class GradientReducer:
         self._round = _Round()
         self._averaged: dict[torch.Tensor, weakref.ref] = {}  # the gradients the last round wrote
         self._cut = False
+        # The first round first checks that every rank has the same parameters (model_check.py);
+        # its collectives are named by the order optimizers are created, not by parameter names.
+        member = reduction.process_set.process_set_id is not None and reduction.process_set.included()
+        self._model_checked = not member
+        if member:
+            self._model_tag = runtime.get().auto_name("model_check", reduction.process_set.process_set_id)
+            self._joins = self._coordinator().joins
 
     def track(self, param: torch.Tensor, name: str) -> None:
         self.names[param] = name
@@ -135,6 +143,8 @@ class GradientReducer:
 
     def hand_over(self, param: torch.Tensor) -> None:
         """Start the collective(s) of ``param.grad`` now (it must not be None)."""
+        if not self._model_checked:
+            self.check_model()
         grad = param.grad
         if grad.layout != torch.strided and self.reduction.sparse_as_dense:
             # The wrapped optimizer gets it sparse again (SparseAdam needs it), as Horovod's.
@@ -168,6 +178,8 @@ class GradientReducer:
         """
         if not self.names:
             return
+        if not self._model_checked:
+            self.check_model()
         layouts = self._exchange_layouts()
         missing = [p for p in self.names if not self.handed(p)]
         if missing:
@@ -183,6 +195,18 @@ class GradientReducer:
         for param, sparse_dim in done.resparsify.items():  # sparse_as_dense, after every write
             param.grad = param.grad.to_sparse(sparse_dim)
         self._averaged = {param: weakref.ref(param.grad) for param in done.handed}
+
+    def check_model(self) -> None:
+        """Once, before this optimizer's first collective: raise CollectiveError on every rank if
+        the ranks' parameters differ (:func:`gradsync.torch.model_check.check_same_model`)."""
+        self._model_checked = True
+        if self._coordinator().joins != self._joins:
+            return  # the others checked while this rank stood in from join(): it would check alone
+        check_same_model(parameter_specs((n, p) for p, n in self.names.items()),
+                         self.reduction.process_set, self.rank, self._model_tag)
+
+    def _coordinator(self):
+        return runtime.get().coordinator_for(self.reduction.process_set, f"gradsync: rank {self.rank}")
 
     def _exchange_layouts(self):
         """Start the allreduce (Max) of every parameter's gradient layout on this rank (of the
