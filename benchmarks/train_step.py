@@ -218,7 +218,9 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     here = os.path.abspath(__file__)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    configs = [("single", ["--mode", "single"], False, env), ("ddp (gloo)", ["--mode", "ddp"], True, env)]
+    floor = f"{ranks} singles at once"
+    configs = [("single", ["--mode", "single"], False, env), (floor, ["--mode", "single"], ranks, env),
+               ("ddp (gloo)", ["--mode", "ddp"], True, env)]
     for label, path, flags in trees:
         tree_env = env if path is None else dict(env, PYTHONPATH=os.pathsep.join(
             filter(None, [path, env.get("PYTHONPATH")])))
@@ -233,31 +235,46 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
         for name, args, parallel, config_env in configs[shift:] + configs[:shift]:
             cmd = [sys.executable, here, *args, "--model", model, "--steps", str(steps),
                    "--optimizer", optimizer_kind]
-            if parallel:
+            if parallel is True:
                 cmd = [mpiexec, "-n", str(ranks), *cmd]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=config_env)
-            line = [x for x in out.stdout.splitlines() if x.startswith("median_step_ms=")]
-            if not line:
-                raise SystemExit(f"{name} failed:\n{out.stdout}\n{out.stderr}")
-            results[name].append(float(line[0].split("=")[1]))
+            results[name].append(_launch(name, cmd, config_env, copies=parallel or 1))
     single = statistics.median(results["single"])
+    floor_ms = statistics.median(results[floor])
     ddp = statistics.median(results["ddp (gloo)"])
     print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, {optimizer_kind}, median of {repeats} "
-          f"launches x {steps} steps")
+          f"launches x {steps} steps; floor: {floor} (each one's median step, averaged)")
     width = max(28, *map(len, results))
-    print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s}")
+    print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s} {'vs floor':>8s}")
     rows = []
     for name, values in results.items():
         median = statistics.median(values)
-        print(f"{name:{width}s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f}")
+        print(f"{name:{width}s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f} "
+              f"{floor_ms / median:8.2f}")
         rows.append({"model": model, "ranks": ranks, "configuration": name, "step_ms": round(median, 3),
                      "vs_ddp": round(median / ddp, 4), "efficiency": round(single / median, 4),
+                     "vs_floor": round(floor_ms / median, 4),
                      "launches": " ".join(f"{v:.2f}" for v in values)})
     if csv_path:
         import benchenv
 
         benchenv.write_csv(csv_path, rows, benchenv.environment(ranks, env))
         print(f"# wrote {csv_path}")
+
+
+def _launch(name: str, cmd: list[str], env: dict, copies: int = 1) -> float:
+    """Run ``cmd`` (``copies`` processes at the same time, each on its own) and return the
+    median step time it printed, in ms; for several copies, the mean of their medians: the floor
+    a synchronous N-rank step can reach on a machine whose cores share memory bandwidth."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(copies)]
+    medians = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        line = [x for x in out.splitlines() if x.startswith("median_step_ms=")]
+        if not line:
+            raise SystemExit(f"{name} failed:\n{out}\n{err}")
+        medians.append(float(line[0].split("=")[1]))
+    return statistics.mean(medians)
 
 
 def main() -> None:
