@@ -1,0 +1,263 @@
+"""gradsync.lightning under mpiexec: the Trainer and Fabric strategies train as one process would.
+
+Every rank also runs the reference itself: single-process Lightning (a single-device strategy)
+on the concatenated batch, i.e. the same global batches, in float64. DistributedSampler (no
+shuffling) gives rank r the samples r, r + size, ...: batch i of every rank together is exactly
+batch i of one process whose batch is ``size`` times larger. Logging references are numpy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.torch, pytest.mark.lightning]
+RANKS = (1, 2, 4)
+TIMEOUT = 240
+
+torch = pytest.importorskip("torch")
+L = pytest.importorskip("lightning")
+torchmetrics = pytest.importorskip("torchmetrics")
+
+from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+import gradsync  # noqa: E402
+import gradsync.lightning  # noqa: E402, F401  (registers strategy="gradsync")
+
+torch.set_num_threads(1)
+PER_RANK_BATCH = 2
+QUIET = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False,
+             enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0)
+
+
+def _data(samples: int, seed: int = 0) -> TensorDataset:
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.normal(size=(samples, 4)))
+    y = torch.from_numpy(rng.normal(size=(samples, 1)))
+    return TensorDataset(x, y)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+
+class Regression(L.LightningModule):
+    """A tiny float64 MLP, SGD with momentum and a StepLR schedule (the LR changes every epoch)."""
+
+    def __init__(self, seed_offset: int = 0):
+        super().__init__()
+        self.net = _net()
+        if seed_offset:  # ranks start apart: setup must broadcast rank 0's parameters
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    p.add_(seed_offset)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+def _loader(dataset: TensorDataset, batch: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch, shuffle=False)
+
+
+def _shuffled_as_lightning(dataset: TensorDataset, batch: int) -> DataLoader:
+    """One process's loader in the order Lightning gives a distributed run: it always shuffles
+    training data with a DistributedSampler (seed 0, reseeded per epoch), whose permutation rank r
+    reads from position r in steps of size; so batch i of every rank together is positions
+    i * batch .. (i + 1) * batch of the same permutation."""
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler)
+
+
+def _params(module: torch.nn.Module) -> np.ndarray:
+    return np.concatenate([p.detach().reshape(-1).numpy() for p in module.parameters()])
+
+
+def _fit(strategy, batch: int, dataset: TensorDataset, ckpt_path=None, model=None, **trainer_args):
+    model = model or Regression(seed_offset=gradsync.rank())
+    trainer = L.Trainer(strategy=strategy, devices=1, **QUIET, **trainer_args)
+    loader = _loader(dataset, batch) if strategy == "gradsync" else _shuffled_as_lightning(dataset, batch)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+TRAINING_CASES = {
+    "plain": dict(),
+    "clip-norm": dict(gradient_clip_val=0.05, gradient_clip_algorithm="norm"),
+    "clip-value": dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"),
+    # 3 batches per epoch: a full window of 2 and the epoch's last batch alone
+    "accumulate-clip-norm": dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+}
+
+
+@pytest.mark.parametrize("case_name", list(TRAINING_CASES))
+def test_trainer_matches_one_process_on_the_concatenated_batch(case_name, size):
+    args = dict(TRAINING_CASES[case_name], max_epochs=2)
+    dataset = _data(3 * PER_RANK_BATCH * size)
+    model, trainer = _fit("gradsync", PER_RANK_BATCH, dataset, **args)
+    reference, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
+                        model=Regression(), **args)
+    optimizer = trainer.optimizers[0]
+    assert type(optimizer).__name__ == "DistributedSGD"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)  # StepLR stepped twice
+    np.testing.assert_allclose(_params(model), _params(reference), rtol=1e-6, atol=1e-9)
+
+
+class Recording(Regression):
+    """Keeps the first layer's gradient after every backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads = []
+
+    def on_after_backward(self):
+        self.grads.append(self.net[0].weight.grad.detach().clone().numpy())
+
+
+def test_accumulating_batches_are_not_averaged_until_the_step(size):
+    """accumulate_grad_batches=3: after the first two backward passes of a step each rank holds its
+    own gradient (nothing was reduced); the third pass ends with the average on every rank."""
+    dataset = _data(6 * PER_RANK_BATCH * size)
+    model = Recording()
+    _, trainer = _fit("gradsync", PER_RANK_BATCH, dataset, model=model, max_epochs=1,
+                      accumulate_grad_batches=3)
+    assert trainer.global_step == 2 and len(model.grads) == 6
+    every_rank = gradsync.allgather_object(model.grads)  # [rank][pass] -> gradient
+    for index in range(6):
+        grads = [ranks[index] for ranks in every_rank]
+        same = all(np.array_equal(grads[0], g) for g in grads)
+        assert same == (index % 3 == 2 or size == 1), f"pass {index}: same on every rank: {same}"
+
+
+class Logged(L.LightningModule):
+    """Logs, per validation batch, the batch's mean and sum (sync_dist) and feeds torchmetrics."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.total = torchmetrics.SumMetric().set_dtype(torch.float64)
+        self.average = torchmetrics.MeanMetric().set_dtype(torch.float64)
+        self.gathered = []
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        self.log("mean", x.mean(), sync_dist=True, batch_size=len(x))
+        self.log("sum", x.sum(), sync_dist=True, reduce_fx="sum", batch_size=len(x))
+        self.log("max", x.max(), sync_dist=True, reduce_fx="max", batch_size=len(x))
+        self.total.update(x)
+        self.average.update(x)
+        self.log("metric_sum", self.total, batch_size=len(x))
+        self.log("metric_mean", self.average, batch_size=len(x))
+        self.gathered.append(self.all_gather(x))
+
+
+def test_sync_dist_sums_means_and_torchmetrics_equal_numpy(size):
+    values = np.random.default_rng(3).normal(size=16)
+    module = Logged()
+    trainer = L.Trainer(strategy="gradsync", devices=1, **QUIET)
+    dataset = TensorDataset(torch.from_numpy(values))
+    [metrics] = trainer.validate(module, DataLoader(dataset, batch_size=PER_RANK_BATCH))
+    assert metrics["mean"] == pytest.approx(values.mean(), rel=1e-12)
+    assert metrics["sum"] == pytest.approx(values.sum(), rel=1e-12)
+    assert metrics["max"] == pytest.approx(values.max(), rel=1e-12)
+    # Lightning hands a Metric's value on in float32
+    assert metrics["metric_sum"] == pytest.approx(values.sum(), rel=1e-6)
+    assert metrics["metric_mean"] == pytest.approx(values.mean(), rel=1e-6)
+    gathered = torch.stack(module.gathered)  # (batches, ranks, batch)
+    assert gathered.shape == (16 // size // PER_RANK_BATCH, size, PER_RANK_BATCH)
+    np.testing.assert_array_equal(np.sort(gathered.numpy().reshape(-1)), np.sort(values))
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory of rank 0's, named to every rank (rank 0 writes checkpoints, every rank reads
+    them), removed after the test; not pytest's tmp_path, which each rank's session prunes."""
+    path = gradsync.broadcast_object(tempfile.mkdtemp(prefix="gradsync-lightning-")
+                                     if gradsync.rank() == 0 else None, root_rank=0)
+    yield path
+    gradsync.barrier()
+    if gradsync.rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_checkpoint_resumes_at_this_and_at_one_rank_as_uninterrupted_training(size, shared_dir):
+    dataset = _data(2 * PER_RANK_BATCH * size)
+    path = f"{shared_dir}/two_epochs.ckpt"
+    _, trainer = _fit("gradsync", PER_RANK_BATCH, dataset, max_epochs=2)
+    trainer.save_checkpoint(path)
+    resumed, _ = _fit("gradsync", PER_RANK_BATCH, dataset, ckpt_path=path, max_epochs=4)
+    uninterrupted, _ = _fit("gradsync", PER_RANK_BATCH, dataset, max_epochs=4)
+    one_process, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
+                          ckpt_path=path, model=Regression(), max_epochs=4)
+    np.testing.assert_allclose(_params(resumed), _params(uninterrupted), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(_params(one_process), _params(uninterrupted), rtol=1e-6, atol=1e-9)
+
+
+def test_devices_that_disagree_with_the_launch_are_refused(size):
+    with pytest.raises(ValueError, match=r"devices=3 disagrees with the launch"):
+        L.Trainer(strategy="gradsync", devices=3, **QUIET)
+    with pytest.raises(ValueError, match=r"num_nodes=2 disagrees with the launch, which runs on 1 host"):
+        L.Trainer(strategy="gradsync", devices=1, num_nodes=2, **QUIET)
+
+
+def _fabric_train(fabric, batch: int, dataset, epochs: int = 1, state=None, accumulate=2, clip=0.05):
+    """Fabric's loop: accumulate `accumulate` batches, clip by norm, SGD with momentum; loads
+    `state` (a checkpoint path) first when given; returns (model, optimizer)."""
+    model = _net()
+    with torch.no_grad():
+        model[0].weight.add_(fabric.global_rank)  # ranks start apart: setup broadcasts rank 0's
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    if state is not None:
+        fabric.load(state, {"model": model, "optimizer": optimizer})
+    loader = fabric.setup_dataloaders(_loader(dataset, batch))
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(loader):
+            stepping = (i + 1) % accumulate == 0
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y) / accumulate)
+            if stepping:
+                fabric.clip_gradients(model, optimizer, max_norm=clip)
+                optimizer.step()
+                optimizer.zero_grad()
+    return model, optimizer
+
+
+def _fabric(strategy):
+    fabric = L.Fabric(strategy=strategy, devices=1, accelerator="cpu")
+    fabric.launch()
+    return fabric
+
+
+def test_fabric_matches_one_process_and_resumes_from_its_checkpoint(size, shared_dir):
+    """Accumulation (no_backward_sync) and clipping; a checkpoint saved here resumes here and in
+    one process, both as one process trained without interruption."""
+    dataset = _data(4 * PER_RANK_BATCH * size)
+    path = f"{shared_dir}/fabric.ckpt"
+    fabric = _fabric("gradsync")
+    model, optimizer = _fabric_train(fabric, PER_RANK_BATCH, dataset)
+    assert type(optimizer.optimizer).__name__ == "DistributedSGD"
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    resumed, _ = _fabric_train(fabric, PER_RANK_BATCH, dataset, state=path)
+    alone = _fabric(L.fabric.strategies.SingleDeviceStrategy(device="cpu"))
+    first_epoch, _ = _fabric_train(alone, PER_RANK_BATCH * size, dataset)
+    uninterrupted, _ = _fabric_train(alone, PER_RANK_BATCH * size, dataset, epochs=2)
+    resumed_alone, _ = _fabric_train(alone, PER_RANK_BATCH * size, dataset, state=path)
+    np.testing.assert_allclose(_params(model), _params(first_epoch), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(_params(resumed), _params(uninterrupted), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(_params(resumed_alone), _params(uninterrupted), rtol=1e-6, atol=1e-9)
+
+
+def test_fabric_refuses_devices_that_disagree_with_the_launch(size):
+    with pytest.raises(ValueError, match=r"devices=3 disagrees with the launch"):
+        L.Fabric(strategy="gradsync", devices=3, accelerator="cpu")
