@@ -27,10 +27,10 @@ import time
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from train_step import BATCH, build_model, make_optimizer
 
 import gradsync
 from gradsync.lightning import GradsyncStrategy
-from train_step import BATCH, build_model, make_optimizer
 
 
 class Timed(L.LightningModule):

@@ -86,7 +86,8 @@ def _params(module: torch.nn.Module) -> np.ndarray:
 def _fit(strategy, batch: int, dataset: TensorDataset, ckpt_path=None, model=None, **trainer_args):
     model = model or Regression(seed_offset=gradsync.rank())
     trainer = L.Trainer(strategy=strategy, devices=1, **QUIET, **trainer_args)
-    loader = _loader(dataset, batch) if strategy == "gradsync" else _shuffled_as_lightning(dataset, batch)
+    alone = isinstance(strategy, SingleDeviceStrategy)
+    loader = _shuffled_as_lightning(dataset, batch) if alone else _loader(dataset, batch)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return model, trainer
 
@@ -111,6 +112,72 @@ def test_trainer_matches_one_process_on_the_concatenated_batch(case_name, size):
     assert type(optimizer).__name__ == "DistributedSGD"
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)  # StepLR stepped twice
     np.testing.assert_allclose(_params(model), _params(reference), rtol=1e-6, atol=1e-9)
+
+
+def test_sharded_optimizer_state_with_clipping_matches_one_process(size):
+    """strategy="gradsync_zero": ZeroRedundancyOptimizer, clipped by the norm over every shard."""
+    args = dict(max_epochs=2, gradient_clip_val=0.05)
+    dataset = _data(3 * PER_RANK_BATCH * size)
+    model, trainer = _fit("gradsync_zero", PER_RANK_BATCH, dataset, **args)
+    reference, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
+                        model=Regression(), **args)
+    assert type(trainer.optimizers[0]).__name__ == "ZeroRedundancySGD"
+    np.testing.assert_allclose(_params(model), _params(reference), rtol=1e-6, atol=1e-9)
+
+
+class TwoOptimizers(Regression):
+    """Manual optimization: one SGD per layer, both stepped after one manual_backward."""
+
+    def __init__(self, seed_offset: int = 0):
+        super().__init__(seed_offset)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.net[0].parameters(), lr=0.1, momentum=0.9),
+                torch.optim.Adam(self.net[2].parameters(), lr=0.01))
+
+
+def test_manual_optimization_with_two_optimizers_matches_one_process(size):
+    dataset = _data(3 * PER_RANK_BATCH * size)
+    model, trainer = _fit("gradsync", PER_RANK_BATCH, dataset, model=TwoOptimizers(gradsync.rank()),
+                          max_epochs=2)
+    reference, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
+                        model=TwoOptimizers(), max_epochs=2)
+    assert [type(o).__name__ for o in trainer.optimizers] == ["DistributedSGD", "DistributedAdam"]
+    np.testing.assert_allclose(_params(model), _params(reference), rtol=1e-6, atol=1e-9)
+
+
+class Single(Regression):
+    def __init__(self, seed_offset: int = 0):
+        super().__init__(seed_offset)
+        self.net = self.net.float()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x.float()).float(), y.float())
+
+
+def test_bf16_mixed_precision_matches_one_process(size):
+    """precision="bf16-mixed" (float32 parameters, bfloat16 compute): every rank holds the same
+    parameters, and they are one process's up to bfloat16 rounding (a weight gradient's sum over
+    the batch is rounded in bfloat16, over each rank's half here, over the whole batch there)."""
+    dataset = _data(3 * PER_RANK_BATCH * size)
+    model, _ = _fit("gradsync", PER_RANK_BATCH, dataset, model=Single(gradsync.rank()),
+                    max_epochs=1, precision="bf16-mixed")
+    reference, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
+                        model=Single(), max_epochs=1, precision="bf16-mixed")
+    every_rank = gradsync.allgather_object(_params(model))
+    assert all(np.array_equal(every_rank[0], params) for params in every_rank)
+    np.testing.assert_allclose(_params(model), _params(reference), rtol=0, atol=5e-3)
 
 
 class Recording(Regression):
@@ -190,13 +257,16 @@ def shared_dir():
         shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_checkpoint_resumes_at_this_and_at_one_rank_as_uninterrupted_training(size, shared_dir):
+@pytest.mark.parametrize("strategy", ["gradsync", "gradsync_zero"])
+def test_a_checkpoint_resumes_at_this_and_at_one_rank_as_uninterrupted_training(strategy, size, shared_dir):
+    """Saved after 2 epochs by rank 0 (ZeRO: the state consolidated there), resumed to 4 epochs
+    here and by one process on the concatenated batch."""
     dataset = _data(2 * PER_RANK_BATCH * size)
     path = f"{shared_dir}/two_epochs.ckpt"
-    _, trainer = _fit("gradsync", PER_RANK_BATCH, dataset, max_epochs=2)
+    _, trainer = _fit(strategy, PER_RANK_BATCH, dataset, max_epochs=2)
     trainer.save_checkpoint(path)
-    resumed, _ = _fit("gradsync", PER_RANK_BATCH, dataset, ckpt_path=path, max_epochs=4)
-    uninterrupted, _ = _fit("gradsync", PER_RANK_BATCH, dataset, max_epochs=4)
+    resumed, _ = _fit(strategy, PER_RANK_BATCH, dataset, ckpt_path=path, max_epochs=4)
+    uninterrupted, _ = _fit(strategy, PER_RANK_BATCH, dataset, max_epochs=4)
     one_process, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
                           ckpt_path=path, model=Regression(), max_epochs=4)
     np.testing.assert_allclose(_params(resumed), _params(uninterrupted), rtol=1e-6, atol=1e-9)
