@@ -22,11 +22,13 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")
 torchmetrics = pytest.importorskip("torchmetrics")
 
+from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import gradsync  # noqa: E402
-import gradsync.lightning  # noqa: E402, F401  (registers strategy="gradsync")
+from gradsync.lightning import GradsyncStrategy  # noqa: E402  (registers strategy="gradsync")
 
 torch.set_num_threads(1)
 PER_RANK_BATCH = 2
@@ -125,6 +127,20 @@ def test_sharded_optimizer_state_with_clipping_matches_one_process(size):
     np.testing.assert_allclose(_params(model), _params(reference), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("options, atol", [
+    (dict(comm_hook=gradsync.allreduce_hook), 1e-9),  # buckets, plain average: the same numbers
+    (dict(compression=gradsync.Compression.fp16), 1e-3),  # gradients travel as float16
+], ids=["allreduce-hook", "fp16-compression"])
+def test_communication_options_pass_through_to_the_optimizer(options, atol, size):
+    dataset = _data(3 * PER_RANK_BATCH * size)
+    model, trainer = _fit(GradsyncStrategy(**options), PER_RANK_BATCH, dataset, max_epochs=1)
+    reference, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
+                        model=Regression(), max_epochs=1)
+    every_rank = gradsync.allgather_object(_params(model))
+    assert all(np.array_equal(every_rank[0], params) for params in every_rank)
+    np.testing.assert_allclose(_params(model), _params(reference), rtol=0, atol=atol)
+
+
 class TwoOptimizers(Regression):
     """Manual optimization: one SGD per layer, both stepped after one manual_backward."""
 
@@ -166,18 +182,44 @@ class Single(Regression):
         return torch.nn.functional.mse_loss(self.net(x.float()).float(), y.float())
 
 
-def test_bf16_mixed_precision_matches_one_process(size):
-    """precision="bf16-mixed" (float32 parameters, bfloat16 compute): every rank holds the same
-    parameters, and they are one process's up to bfloat16 rounding (a weight gradient's sum over
-    the batch is rounded in bfloat16, over each rank's half here, over the whole batch there)."""
+def _precision(name: str):
+    """Trainer arguments: bf16-mixed, or float16 autocast with a GradScaler on the CPU (which
+    Trainer(precision="16-mixed") would turn into bf16-mixed there)."""
+    if name == "bf16-mixed":
+        return dict(precision=name)
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed-scaled"])
+def test_mixed_precision_matches_one_process(precision, size):
+    """float32 parameters, 16-bit compute (16-mixed: with a GradScaler, and clipping, which
+    unscales first): every rank holds the same parameters, and they are one process's up to
+    16-bit rounding (a weight gradient's sum over the batch is rounded in 16 bits, over each
+    rank's share here, over the whole batch there)."""
     dataset = _data(3 * PER_RANK_BATCH * size)
-    model, _ = _fit("gradsync", PER_RANK_BATCH, dataset, model=Single(gradsync.rank()),
-                    max_epochs=1, precision="bf16-mixed")
+    args = dict(max_epochs=1, gradient_clip_val=0.05)
+    model, trainer = _fit("gradsync", PER_RANK_BATCH, dataset, model=Single(gradsync.rank()),
+                          **args, **_precision(precision))
     reference, _ = _fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, dataset,
-                        model=Single(), max_epochs=1, precision="bf16-mixed")
+                        model=Single(), **args, **_precision(precision))
+    assert (trainer.precision_plugin.scaler is not None) == (precision == "16-mixed-scaled")
     every_rank = gradsync.allgather_object(_params(model))
     assert all(np.array_equal(every_rank[0], params) for params in every_rank)
     np.testing.assert_allclose(_params(model), _params(reference), rtol=0, atol=5e-3)
+
+
+def test_a_gradient_accumulation_schedule_is_followed(size):
+    """GradientAccumulationScheduler: 1, then 2, then 4 batches per step, as one process."""
+    dataset = _data(4 * PER_RANK_BATCH * size)
+
+    def fit(strategy, batch, model):
+        schedule = GradientAccumulationScheduler({0: 1, 1: 2, 2: 4})
+        return _fit(strategy, batch, dataset, model=model, max_epochs=3, callbacks=[schedule])
+
+    model, trainer = fit("gradsync", PER_RANK_BATCH, Regression(gradsync.rank()))
+    reference, _ = fit(SingleDeviceStrategy(device="cpu"), PER_RANK_BATCH * size, Regression())
+    assert trainer.global_step == 4 + 2 + 1
+    np.testing.assert_allclose(_params(model), _params(reference), rtol=1e-6, atol=1e-9)
 
 
 class Recording(Regression):
