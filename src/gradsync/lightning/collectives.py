@@ -108,3 +108,37 @@ def barrier(name: str | None = None) -> None:
     """Wait until every rank has called it (Lightning's ``Strategy.barrier``); ``name`` is
     Lightning's label and not used as the collective's name (ranks may label it differently)."""
     gradsync.barrier()
+
+
+class CollectivesMixin:
+    """Lightning's collective hooks on gradsync's, for both strategies (Trainer and Fabric: the
+    Trainer calls ``reduce``, Fabric ``all_reduce``), and their registration under the names
+    ``"gradsync"`` and ``"gradsync_zero"``. Mixed in before Lightning's ParallelStrategy."""
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """See :func:`gradsync.lightning.collectives.reduce`."""
+        return reduce(tensor, group, reduce_op)
+
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """See :func:`gradsync.lightning.collectives.reduce`."""
+        return reduce(tensor, group, reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """See :func:`gradsync.lightning.collectives.all_gather`."""
+        return all_gather(tensor, group, sync_grads)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """See :func:`gradsync.lightning.collectives.broadcast`."""
+        return broadcast(obj, src)
+
+    def barrier(self, name: str | None = None) -> None:
+        """See :func:`gradsync.lightning.collectives.barrier`."""
+        barrier(name)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """``strategy="gradsync"`` and ``strategy="gradsync_zero"`` (sharded optimizer state)."""
+        for name, zero in (("gradsync", False), ("gradsync_zero", True)):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"gradsync data parallel (zero={zero})",
+                                           zero=zero)

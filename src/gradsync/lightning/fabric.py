@@ -26,7 +26,7 @@ from .optimizers import synchronized, wrap
 _DEFERRED = 2**31 - 1
 
 
-class GradsyncFabricStrategy(ParallelStrategy):
+class GradsyncFabricStrategy(collectives.CollectivesMixin, ParallelStrategy):
     """Data-parallel training for ``lightning.fabric.Fabric`` on gradsync, launched by MPI.
 
     Same behaviour and arguments as :class:`gradsync.lightning.GradsyncStrategy` (ranks from the
@@ -124,28 +124,6 @@ class GradsyncFabricStrategy(ParallelStrategy):
         """Clip the averaged gradients, element by element."""
         getattr(optimizer, "optimizer", optimizer).synchronize()
         super().clip_gradients_value(module, optimizer, clip_val)
-
-    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """See :func:`gradsync.lightning.collectives.reduce`."""
-        return collectives.reduce(tensor, group, reduce_op)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        """See :func:`gradsync.lightning.collectives.all_gather`."""
-        return collectives.all_gather(tensor, group, sync_grads)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast(obj, src)
-
-    def barrier(self, name: str | None = None) -> None:
-        collectives.barrier(name)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """``strategy="gradsync"`` and ``strategy="gradsync_zero"`` (sharded optimizer state)."""
-        for name, zero in (("gradsync", False), ("gradsync_zero", True)):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"gradsync data parallel (zero={zero})",
-                                           zero=zero)
 
 
 class _DeferredSync(_BackwardSyncControl):

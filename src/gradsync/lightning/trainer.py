@@ -24,7 +24,7 @@ from .environment import GradsyncEnvironment, check_launch, root_device
 from .optimizers import wrap
 
 
-class GradsyncStrategy(ParallelStrategy):
+class GradsyncStrategy(collectives.CollectivesMixin, ParallelStrategy):
     """Data-parallel training for ``lightning.pytorch.Trainer`` on gradsync, launched by MPI.
 
     ::
@@ -141,28 +141,6 @@ class GradsyncStrategy(ParallelStrategy):
 
         with _closure_then_step(optimizer), optimizer.skip_synchronize():
             return super().optimizer_step(optimizer, averaged, model, **kwargs)
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """See :func:`gradsync.lightning.collectives.reduce`."""
-        return collectives.reduce(tensor, group, reduce_op)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        """See :func:`gradsync.lightning.collectives.all_gather`."""
-        return collectives.all_gather(tensor, group, sync_grads)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast(obj, src)
-
-    def barrier(self, name: str | None = None) -> None:
-        collectives.barrier(name)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """``strategy="gradsync"`` and ``strategy="gradsync_zero"`` (sharded optimizer state)."""
-        for name, zero in (("gradsync", False), ("gradsync_zero", True)):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"gradsync data parallel (zero={zero})",
-                                           zero=zero)
 
 
 @contextlib.contextmanager
