@@ -287,6 +287,25 @@ def test_sync_dist_sums_means_and_torchmetrics_equal_numpy(size):
     np.testing.assert_array_equal(np.sort(gathered.numpy().reshape(-1)), np.sort(values))
 
 
+class Doubling(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0] * 2
+
+
+def test_predict_gives_each_rank_its_share_of_the_data(size):
+    values = np.arange(16.0)
+    trainer = L.Trainer(strategy="gradsync", devices=1, **QUIET)
+    loader = DataLoader(TensorDataset(torch.from_numpy(values)), batch_size=PER_RANK_BATCH)
+    mine = torch.cat(trainer.predict(Doubling(), loader)).numpy()
+    every_rank = gradsync.allgather_object(mine)
+    assert len(mine) == 16 // size
+    np.testing.assert_array_equal(np.sort(np.concatenate(every_rank)), values * 2)
+
+
 @pytest.fixture
 def shared_dir():
     """A directory of rank 0's, named to every rank (rank 0 writes checkpoints, every rank reads
