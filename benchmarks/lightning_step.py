@@ -8,12 +8,13 @@ rotated on every repeat (so that neither always runs first or last):
 * ``gradsync-strategy``: ``Trainer(strategy=GradsyncStrategy())``;
 * ``ddp``: ``Trainer(strategy="ddp", devices=<ranks on this host>)``: Lightning's DDP on gloo,
   its rendezvous through Lightning's MPIEnvironment (it reads the ranks from mpi4py);
-* ``gradsync-plain``: a plain loop with ``gradsync.DistributedOptimizer``, no Lightning.
+* ``gradsync-plain``: a plain loop with ``gradsync.DistributedOptimizer``, no Lightning, fed by
+  the same DataLoader over a DistributedSampler as Lightning's runs.
 
 The models are benchmarks/train_step.py's (``build_model``): batch 32 per rank, SGD with momentum,
 ``torch.set_num_threads(1)``. A step's time is the interval between two consecutive ends of a
-training batch (Lightning: ``on_train_batch_end``; plain: after ``step()``), data loading from
-an in-memory tensor included in all three; the first ``--warmup`` steps of each run are dropped.
+training batch (Lightning: ``on_train_batch_end``; plain: after ``step()``), loading from an
+in-memory tensor through a DataLoader included in all three; the first ``--warmup`` steps of each run are dropped.
 Rank 0 prints each configuration's median over every repeat's steps, the ratios, and the load.
 """
 
@@ -26,7 +27,7 @@ import time
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from train_step import BATCH, build_model, make_optimizer
 
 import gradsync
@@ -76,19 +77,18 @@ def lightning_steps(strategy, model_kind: str, data: TensorDataset, devices: int
 
 
 def plain_steps(model_kind: str, data: TensorDataset) -> list[float]:
-    """Step times (ms) of the same training with gradsync.DistributedOptimizer and no Lightning."""
+    """Step times (ms) of the same training with gradsync.DistributedOptimizer and no Lightning,
+    fed as Lightning feeds it: a DataLoader over a shuffling DistributedSampler."""
     torch.manual_seed(0)
     model, _ = build_model(model_kind)
     optimizer = gradsync.DistributedOptimizer(make_optimizer("sgd", model),
                                               named_parameters=model.named_parameters())
     gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
-    x, y = data.tensors
-    x, y = x[gradsync.rank()::gradsync.size()], y[gradsync.rank()::gradsync.size()]
+    sampler = DistributedSampler(data, num_replicas=gradsync.size(), rank=gradsync.rank())
     ends = []
-    for start in range(0, len(y), BATCH):
+    for x, y in DataLoader(data, batch_size=BATCH, sampler=sampler):
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[start:start + BATCH]), y[start:start + BATCH])
-        loss.backward()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         ends.append(time.perf_counter())
     return [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
