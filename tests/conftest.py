@@ -39,6 +39,8 @@ WITHOUT_TORCH = os.environ.get("GRADSYNC_TEST_WITHOUT_TORCH") == "1"
 NO_TORCH_REASON = "needs PyTorch, which is not installed (pip install gradsync[torch])"
 JAX_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("jax", "optax"))
 NO_JAX_REASON = "needs JAX and optax, which are not installed (pip install gradsync[jax])"
+LIGHTNING_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("lightning", "torchmetrics"))
+NO_LIGHTNING_REASON = "needs Lightning and torchmetrics, which are not installed (pip install gradsync[lightning])"
 PARALLEL = Path(__file__).parent / "parallel"
 # Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
 _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -72,7 +74,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
-                                      ("jax", JAX_INSTALLED, NO_JAX_REASON)):
+                                      ("jax", JAX_INSTALLED, NO_JAX_REASON),
+                                      ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON)):
         if installed:
             continue
         skip = pytest.mark.skip(reason=reason)

@@ -49,7 +49,7 @@ def test_every_public_name_has_its_entry_in_the_api_reference():
     missing = [n for n in gradsync.__all__
                if n not in top and not (n in gradsync._TORCH_NAMES and n in torch_names)]
     assert not missing, f"add `::: gradsync.NAME` entries to docs/api.md for: {missing}"
-    for module in ("gradsync.torch", "gradsync.jax", "gradsync.metrics"):
+    for module in ("gradsync.torch", "gradsync.jax", "gradsync.metrics", "gradsync.lightning"):
         missing = sorted(set(module_all(module)) - entries.get(module, set()))
         assert not missing, f"add `::: {module}.NAME` entries to docs/api.md for: {missing}"
     unknown = sorted(top - set(gradsync.__all__))

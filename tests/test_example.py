@@ -1,7 +1,7 @@
 """The README's examples train to the promised accuracy on 2 ranks; the torch one resumes from its
 checkpoint (with DistributedOptimizer and with ZeroRedundancyOptimizer) and shows its progress bar
 on rank 0 under mpiexec, the JAX one gives the same accuracy with its update inside jit and
-outside."""
+outside, the Lightning one resumes at 1 rank from the checkpoint it wrote at 2."""
 
 import re
 
@@ -12,6 +12,7 @@ from mpi_launch import REPO, run_mpi
 pytestmark = pytest.mark.mpi
 EXAMPLE = REPO / "examples" / "train_digits.py"
 JAX_EXAMPLE = REPO / "examples" / "train_digits_jax.py"
+LIGHTNING_EXAMPLE = REPO / "examples" / "train_digits_lightning.py"
 
 
 def final_accuracy(output: str) -> float:
@@ -70,3 +71,19 @@ def test_jax_digits_example_trains_with_its_update_in_jit_and_on_the_host():
     on_host = run_mpi(JAX_EXAMPLE, 2, "--update", "host", "--epochs", "3", timeout=240).stdout
     three_epochs = [line for line in in_jit.splitlines() if line.startswith("epoch 3/")]
     assert three_epochs and three_epochs[0].replace("3/20", "3/3") in on_host, on_host
+
+
+@pytest.mark.torch
+@pytest.mark.lightning
+def test_lightning_digits_example_trains_at_2_ranks_and_resumes_at_1(tmp_path):
+    checkpoint = str(tmp_path / "digits.ckpt")
+    # stdout alone: Lightning's warnings go to stderr, from any rank, at any time
+    first = run_mpi(LIGHTNING_EXAMPLE, 2, "--checkpoint", checkpoint, "--no-progress",
+                    timeout=240, separate_stderr=True).stdout
+    assert "epochs=20 steps=440 " in first, first  # 1347 samples / 2 ranks / 32 = 22 steps an epoch
+    assert final_accuracy(first) >= 0.95, first
+    resumed = run_mpi(LIGHTNING_EXAMPLE, 1, "--checkpoint", checkpoint, "--resume", "--epochs", "22",
+                      "--no-progress", timeout=240, separate_stderr=True).stdout
+    # 2 more epochs at 1 rank: 1347 / 32 = 43 steps each
+    assert "resuming from" in resumed and "epochs=22 steps=526 " in resumed, resumed
+    assert final_accuracy(resumed) >= 0.95, resumed

@@ -2,7 +2,7 @@
 
 A file declares the rank counts it runs at in a module-level ``RANKS = (1, 2, 4)`` (the default)
 and, when it needs more than the default 300 s, ``TIMEOUT = <seconds>``. A file that needs torch
-sets ``pytestmark = pytest.mark.torch`` (or ``jax``); its jobs are then marked so here too, so they
+sets ``pytestmark = pytest.mark.torch`` (or ``jax``, or a list with ``lightning``); its jobs are then marked so here too, so they
 skip where torch (jax) is not installed. A file's ``VARIANTS`` add jobs with more environment
 variables, at their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py).
 See tests/parallel/conftest.py for what each job guarantees.
@@ -61,7 +61,7 @@ def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
 def _jobs():
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
-        for framework in ("torch", "jax"):
+        for framework in ("torch", "jax", "lightning"):
             if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
                 marks.append(getattr(pytest.mark, framework))
         plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
