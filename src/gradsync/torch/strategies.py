@@ -52,9 +52,10 @@ class PerGradient(GradientReducer):
         self.groups = reduction_groups(list(self.names), self.groups_argument)
 
     def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
-        group = self.groups.get(param)
+        group = self.groups.get(param) if self.groups else None  # no tensor hash without groups
         if group is None:
-            super()._ready(param, grad)
+            if grad is not None and grad.layout == torch.strided:  # else sparse, or none anywhere
+                self._allreduce(f"grad.{self.names[param]}", grad)
         elif self._count_ready(group[0], len(group[1])):  # a sparse member counts as ready too
             self._start_group(*group)
 
@@ -112,7 +113,8 @@ class Buckets(PerGradient):
     def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
         layout = self.buckets.get(param)
         if layout is None:  # allreduced alone
-            super()._ready(param, grad)
+            if grad is not None and grad.layout == torch.strided:
+                self._allreduce(f"grad.{self.names[param]}", grad)
         elif self._count_ready(layout.index, len(layout.params)):  # sparse: its slot holds zeros
             self._start_bucket(layout)
 
