@@ -90,13 +90,16 @@ def small_gradient_bytes(args: Arguments, config) -> int:
 
 
 def wrap_in_place(optimizer: torch.optim.Optimizer, mixin: type, prefix: str,
-                  setup: Callable[[torch.optim.Optimizer], None]) -> torch.optim.Optimizer:
-    """Make ``optimizer``'s class ``mixin`` + its class (named ``prefix`` + its name), run
-    ``setup(optimizer)``, and return it; a failed setup leaves the optimizer as it was.
+                  make_strategy: Callable[[], GradientReducer], named_parameters: list | None,
+                  backward_passes_per_step, synchronize_in_backward) -> torch.optim.Optimizer:
+    """Make ``optimizer``'s class ``mixin`` + its class (named ``prefix`` + its name), set it up
+    with ``make_strategy()`` and the checked names and passes, and return it; a failed setup
+    leaves the optimizer as it was.
 
     Raises:
         ValueError: the optimizer is distributed already, or its ``step`` was replaced on the
-            object (an LR scheduler created before wrapping does this).
+            object (an LR scheduler created before wrapping does this); and as
+            :func:`check_names` and :func:`check_passes`.
     """
     rank = runtime.get().rank
     if isinstance(optimizer, _DistributedOptimizer):
@@ -110,7 +113,9 @@ def wrap_in_place(optimizer: torch.optim.Optimizer, mixin: type, prefix: str,
     original = type(optimizer)
     optimizer.__class__ = distributed_class(mixin, original, prefix)
     try:
-        setup(optimizer)
+        optimizer._gradsync_setup(check_names(named_parameters, optimizer),
+                                  check_passes(backward_passes_per_step), make_strategy(),
+                                  bool(synchronize_in_backward))
     except BaseException:
         optimizer.__class__ = original  # a failed wrap leaves the optimizer as it was
         raise

@@ -25,7 +25,6 @@ from .factory import (
     check_arguments,
     check_hook,
     check_names,
-    check_passes,
     pick_strategy,
     wrap_in_place,
 )
@@ -171,10 +170,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     check_hook(rank, comm_hook, compression, gradient_predivide_factor, op)
     arguments = Arguments(op, gradient_predivide_factor, groups, compression, bool(sparse_as_dense),
                           process_set, comm_hook, gradient_as_bucket_view)
-
-    def setup(wrapped: _DistributedOptimizer) -> None:
-        wrapped._gradsync_setup(check_names(named_parameters, wrapped),
-                                check_passes(backward_passes_per_step),
-                                pick_strategy(arguments, rank), bool(synchronize_in_backward))
-
-    return wrap_in_place(optimizer, _DistributedOptimizer, "Distributed", setup)
+    return wrap_in_place(optimizer, _DistributedOptimizer, "Distributed",
+                         lambda: pick_strategy(arguments, rank), named_parameters,
+                         backward_passes_per_step, synchronize_in_backward)

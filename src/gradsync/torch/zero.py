@@ -29,7 +29,7 @@ from ..compression import Compression
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from .buckets import DEFAULT_SHARD_BUCKET_BYTES, ShardBucket, ShardPlan, shard_plan
-from .factory import check_names, check_passes, wrap_in_place
+from .factory import wrap_in_place
 from .functions import _on_host
 from .gradients import GradientReducer, Reduction, call_all
 from .periods import _DistributedOptimizer
@@ -230,9 +230,13 @@ class ShardReducer(GradientReducer):
 class ZeroOptimizer(_DistributedOptimizer):
     """Mixed in before the wrapped optimizer's class; see :func:`ZeroRedundancyOptimizer`."""
 
-    def _zero_setup(self, shards: ShardReducer) -> None:
-        """Keep only this rank's shard in the wrapped optimizer's param groups and state."""
-        self._zero = shards
+    def _gradsync_setup(self, named_parameters: dict, backward_passes_per_step: int,
+                        strategy: GradientReducer, synchronize_in_backward: bool) -> None:
+        """DistributedOptimizer's setup with ``strategy`` (a :class:`ShardReducer`); then keep only
+        this rank's shard in the wrapped optimizer's param groups and state."""
+        super()._gradsync_setup(named_parameters, backward_passes_per_step, strategy,
+                                synchronize_in_backward)
+        self._zero = shards = strategy
         self._zero_groups = [list(group["params"]) for group in self.param_groups]
         self._zero_index = {p: i for i, p in enumerate(p for g in self._zero_groups for p in g)}
         for group in self.param_groups:
@@ -440,14 +444,9 @@ def ZeroRedundancyOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"gradsync: rank {rank}: bucket_bytes must be >= 1, got {bucket_bytes!r}")
     named = None if named_parameters is None else list(named_parameters)
     reduction = Reduction(ReduceOp.Average, 1.0, 1.0, Compression.none, True, process_set)
-
-    def setup(wrapped: ZeroOptimizer) -> None:
-        shards = ShardReducer(reduction, rank, int(bucket_bytes))
-        wrapped._gradsync_setup(check_names(named, wrapped), check_passes(backward_passes_per_step),
-                                shards, bool(synchronize_in_backward))
-        wrapped._zero_setup(shards)
-
-    return wrap_in_place(optimizer, ZeroOptimizer, "ZeroRedundancy", setup)
+    return wrap_in_place(optimizer, ZeroOptimizer, "ZeroRedundancy",
+                         lambda: ShardReducer(reduction, rank, int(bucket_bytes)), named,
+                         backward_passes_per_step, synchronize_in_backward)
 
 
 __all__ = ["ZeroRedundancyOptimizer", "ZeroOptimizer", "ShardPlan", "shard_plan"]
