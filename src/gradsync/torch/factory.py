@@ -50,17 +50,27 @@ class Arguments:
 def pick_strategy(args: Arguments, rank: int) -> GradientReducer:
     """The reduction strategy for these arguments (:mod:`gradsync.torch.strategies`).
 
-    ``op=Adasum``: :class:`AdasumDeltas`. A ``comm_hook`` or ``gradient_as_bucket_view=True``:
-    buckets (views unless ``gradient_as_bucket_view=False``; without a hook, the default
-    allreduce with ``compression`` and the predivide factor), cut from the fusion threshold or
-    the ``groups``. Else, when small-gradient buckets apply (:func:`small_gradient_bytes`):
-    :class:`SmallGradientBuckets`. Else :class:`PerGradient` (with ``groups``). Depends only on
-    the arguments and the configuration, which every rank checks alike at ``init()``.
+    ``op=Adasum`` (on more than one rank; on one, Average as Horovod): :class:`AdasumDeltas`
+    (the one place the Adasum op is told apart). A ``comm_hook`` or
+    ``gradient_as_bucket_view=True``: buckets (views unless ``gradient_as_bucket_view=False``;
+    without a hook, the default allreduce with ``compression`` and the predivide factor), cut
+    from the fusion threshold or the ``groups``. Else, when small-gradient buckets apply
+    (:func:`small_gradient_bytes`): :class:`SmallGradientBuckets`. Else :class:`PerGradient`
+    (with ``groups``). Depends only on the arguments and the configuration, which every rank
+    checks alike at ``init()``.
+
+    Raises:
+        NotImplementedError: Adasum on a number of ranks that is not a power of two.
+        ValueError: Adasum with a ``comm_hook``.
     """
     prescale, postscale = 1.0 / float(args.gradient_predivide_factor), float(args.gradient_predivide_factor)
-    reduction = Reduction(args.op, prescale, postscale, args.compression, args.sparse_as_dense,
+    op = args.op
+    if op == ReduceOp.Adasum and args.process_set.size() == 1:
+        op = ReduceOp.Average  # as Horovod: Adasum of one rank's update is that update
+    reduction = Reduction(op, prescale, postscale, args.compression, args.sparse_as_dense,
                           args.process_set)
-    if args.op == ReduceOp.Adasum:
+    if op == ReduceOp.Adasum:
+        _check_adasum(args, rank)
         return AdasumDeltas(reduction, rank)
     config = runtime.get().config
     views = (args.comm_hook is not None if args.gradient_as_bucket_view is None
@@ -75,6 +85,18 @@ def pick_strategy(args: Arguments, rank: int) -> GradientReducer:
                                                                          postscale),
                                     max(config.fusion_threshold, SMALL_GRADIENT_BUCKET_BYTES), below)
     return PerGradient(reduction, rank, args.groups)
+
+
+def _check_adasum(args: Arguments, rank: int) -> None:
+    """Refuse what Adasum cannot do: a number of ranks that is not a power of two (as Horovod's),
+    or a communication hook (Adasum combines updates, a hook reduces gradients)."""
+    size = args.process_set.size()
+    if size & (size - 1):
+        raise NotImplementedError(f"gradsync: rank {rank}: op=Adasum needs a power-of-two number of "
+                                  f"ranks (as Horovod's), but {args.process_set} has {size}")
+    if args.comm_hook is not None:
+        raise ValueError(f"gradsync: rank {rank}: comm_hook={args.comm_hook!r} with op=Adasum: Adasum "
+                         "combines the ranks' updates, not their gradients; use one or the other")
 
 
 def small_gradient_bytes(args: Arguments, config) -> int:
@@ -166,8 +188,9 @@ def check_passes(backward_passes_per_step) -> int:
 
 def check_arguments(rank: int, op, gradient_predivide_factor, num_groups, groups, compression,
                     process_set: ProcessSet) -> tuple[ReduceOp, int | list]:
-    """Refuse what DistributedOptimizer cannot do (see its Raises); returns the op (Average for
-    Adasum on one rank, as Horovod) and the groups (an int, 0 for none, or lists)."""
+    """Refuse what DistributedOptimizer cannot do (see its Raises; Adasum's own limits:
+    :func:`pick_strategy`); returns the op (a ReduceOp) and the groups (an int, 0 for none, or
+    lists)."""
     _check_groups_argument(rank, num_groups, groups)
     op = ReduceOp(op)
     if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
@@ -176,15 +199,10 @@ def check_arguments(rank: int, op, gradient_predivide_factor, num_groups, groups
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
-    if op == ReduceOp.Adasum and process_set.size() & (process_set.size() - 1):
-        raise NotImplementedError(f"gradsync: rank {rank}: op=Adasum needs a power-of-two number of "
-                                  f"ranks (as Horovod's), but {process_set} has {process_set.size()}")
     if not (callable(getattr(compression, "compress", None))
             and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
                         "decompress() methods (see gradsync.Compression)")
-    if op == ReduceOp.Adasum and process_set.size() == 1:
-        op = ReduceOp.Average
     return op, num_groups if groups is None else groups
 
 
@@ -202,8 +220,9 @@ def _check_groups_argument(rank: int, num_groups, groups) -> None:
         check_groups(groups, rank)
 
 
-def check_hook(rank: int, comm_hook, compression, gradient_predivide_factor, op) -> None:
-    """Refuse a ``comm_hook`` that is not callable or comes with what it replaces."""
+def check_hook(rank: int, comm_hook, compression, gradient_predivide_factor) -> None:
+    """Refuse a ``comm_hook`` that is not callable or comes with what it replaces (with Adasum:
+    :func:`pick_strategy`)."""
     if comm_hook is None:
         return
     if not callable(comm_hook):
@@ -213,9 +232,6 @@ def check_hook(rank: int, comm_hook, compression, gradient_predivide_factor, op)
         raise ValueError(f"gradsync: rank {rank}: comm_hook={comm_hook!r} reduces the buckets "
                          f"itself; drop compression={compression!r} and gradient_predivide_factor="
                          f"{gradient_predivide_factor} (use gradsync.fp16_compress_hook for fp16)")
-    if ReduceOp(op) == ReduceOp.Adasum:
-        raise ValueError(f"gradsync: rank {rank}: comm_hook={comm_hook!r} with op=Adasum: Adasum "
-                         "combines the ranks' updates, not their gradients; use one or the other")
 
 
 def _is_count(value) -> bool:

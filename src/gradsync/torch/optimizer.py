@@ -167,7 +167,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     rank = runtime.get().rank
     op, groups = check_arguments(rank, op, gradient_predivide_factor, num_groups, groups, compression,
                                  process_set)
-    check_hook(rank, comm_hook, compression, gradient_predivide_factor, op)
+    check_hook(rank, comm_hook, compression, gradient_predivide_factor)
     arguments = Arguments(op, gradient_predivide_factor, groups, compression, bool(sparse_as_dense),
                           process_set, comm_hook, gradient_as_bucket_view)
     return wrap_in_place(optimizer, _DistributedOptimizer, "Distributed",
