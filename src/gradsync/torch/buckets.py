@@ -1,17 +1,28 @@
 """Gradient buckets: the gradients of several parameters laid out in one flat buffer.
 
-With ``comm_hook=...`` or ``gradient_as_bucket_view=True`` (:func:`gradsync.DistributedOptimizer`)
-the parameters are cut into *buckets* once, from their order, devices, dtypes and sizes alone (so
-every rank cuts them alike), and each bucket owns one persistent flat buffer. When every gradient
-of a bucket has been handed over, the bucket's buffer is reduced by the communication hook
-(:mod:`gradsync.torch.comm_hooks`) as one tensor: a lone contiguous tensor, which the fusion plan
-reduces in place (no pack, no unpack) once it is larger than the fusion threshold.
+DistributedOptimizer's parameters are cut into *buckets* once, from their order, devices, dtypes
+and sizes alone (so every rank cuts them alike), and each bucket owns one persistent flat buffer:
+every parameter with ``comm_hook=...`` or ``gradient_as_bucket_view=True``
+(:func:`gradsync.DistributedOptimizer`), and by default the parameters whose gradients are small
+(below). When every gradient of a bucket has been handed over, the bucket's buffer is reduced by
+the communication hook (:mod:`gradsync.torch.comm_hooks`) as one tensor: a lone contiguous
+tensor, which the fusion plan reduces in place (no pack, no unpack) once it is larger than the
+fusion threshold.
 
 With ``gradient_as_bucket_view=True`` each ``p.grad`` *is* a view into its bucket's buffer, so
 autograd accumulates straight into the buffer and the result needs no copy back. A gradient that is
 not the view (the first backward after ``zero_grad(set_to_none=True)``, or a ``p.grad`` the user
 or an optimizer replaced) is copied into the buffer once and ``p.grad`` re-pointed at the view.
 Without views, gradients are copied into the buffer and the result copied back.
+
+By default (no hook, no ``gradient_as_bucket_view``) the same buckets carry the gradients smaller
+than ``GRADSYNC_SMALL_GRADIENT_BYTES`` (256 KiB), cut with a capacity of 25 MiB (or the fusion
+threshold if larger) and reduced by one allreduce each
+(:class:`gradsync.torch.strategies.SmallGradientBuckets`); larger gradients are not in a bucket
+and are allreduced alone, in place.
+
+:func:`shard_plan` cuts ZeroRedundancyOptimizer's buckets: each parameter gets an owner rank, and
+each :class:`ShardBucket` is reduce-scattered to the owners (:mod:`gradsync.torch.zero`).
 """
 
 from __future__ import annotations
@@ -22,6 +33,9 @@ import torch
 
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
+
+DEFAULT_SHARD_BUCKET_BYTES = 8 << 20  # ZeroRedundancyOptimizer's bucket_bytes
+BALANCE_SLACK = 0.05  # a shard bucket closes once its padding is at most this fraction of its elements
 
 
 @dataclass(frozen=True)
@@ -127,3 +141,103 @@ def _layout(index: int, members: list[torch.Tensor]) -> Layout:
         offsets.append(position)
         position += param.numel()
     return Layout(index, tuple(members), tuple(offsets), position)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter's gradient sits in its bucket's buffer: row ``owner``, elements
+    ``start`` to ``start + numel``."""
+
+    param: torch.Tensor
+    owner: int  # index of the owning rank in the process set
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ShardBucket:
+    """ZeroRedundancyOptimizer's bucket: parameters reduce-scattered together, one buffer of
+    ``(ranks, width)`` elements."""
+
+    index: int
+    slots: tuple[Slot, ...]
+    width: int  # elements per row: the longest owner's share
+
+    @property
+    def members(self) -> tuple[torch.Tensor, ...]:
+        return tuple(slot.param for slot in self.slots)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which rank owns which parameter, and the buckets; the same on every rank."""
+
+    buckets: tuple[ShardBucket, ...]
+    owner: dict  # parameter -> owner index in the process set
+    size: int
+
+    def padding(self) -> float:
+        """Padding elements over gradient elements, in all buckets (0.0: none)."""
+        used = sum(slot.numel for b in self.buckets for slot in b.slots)
+        return (sum(b.width for b in self.buckets) * self.size - used) / max(used, 1)
+
+
+def shard_plan(params: list[torch.Tensor], size: int,
+               bucket_bytes: int = DEFAULT_SHARD_BUCKET_BYTES) -> ShardPlan:
+    """Cut ``params`` (in the optimizer's order) into buckets and give each parameter an owner.
+
+    Buckets are filled in reverse order (the order backward produces gradients, as DDP's), per
+    (device, dtype). Within a bucket the parameters go, largest first, each to the rank with the
+    fewest elements in the bucket so far (ties: the fewest elements over all buckets, then the
+    lowest rank); a bucket closes once it holds at least ``bucket_bytes`` and its rows differ by at
+    most 5 % (or once it holds twice ``bucket_bytes``). Depends only on shapes, dtypes, devices and
+    order, so every rank computes the same plan.
+    """
+    totals = [0] * size
+    owner: dict = {}
+    open_buckets: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype) -> members
+    closed: list[list[torch.Tensor]] = []
+    for param in reversed(params):
+        key = (param.device, param.dtype)
+        members = open_buckets.setdefault(key, [])
+        members.append(param)
+        elements = sum(p.numel() for p in members)
+        if elements * param.element_size() < bucket_bytes:
+            continue
+        owners, loads = _assign_owners(members, totals)
+        padding = max(loads) * size - elements
+        if padding <= BALANCE_SLACK * elements or elements * param.element_size() >= 2 * bucket_bytes:
+            _close_shard_bucket(members, owners, totals, owner, closed)
+            del open_buckets[key]
+    for members in open_buckets.values():
+        _close_shard_bucket(members, _assign_owners(members, totals)[0], totals, owner, closed)
+    return ShardPlan(tuple(_shard_bucket(i, m, owner, size) for i, m in enumerate(closed)), owner, size)
+
+
+def _assign_owners(members: list[torch.Tensor], totals: list[int]) -> tuple[list[int], list[int]]:
+    """Each member's owner (largest first to the least loaded rank) and the ranks' loads."""
+    loads = [0] * len(totals)
+    owners = [0] * len(members)
+    for i in sorted(range(len(members)), key=lambda i: (-members[i].numel(), i)):
+        rank = min(range(len(totals)), key=lambda r: (loads[r], totals[r], r))
+        owners[i] = rank
+        loads[rank] += members[i].numel()
+    return owners, loads
+
+
+def _close_shard_bucket(members: list[torch.Tensor], owners: list[int], totals: list[int], owner: dict,
+           closed: list) -> None:
+    for param, rank in zip(members, owners):
+        owner[param] = rank
+        totals[rank] += param.numel()
+    closed.append(members)
+
+
+def _shard_bucket(index: int, members: list[torch.Tensor], owner: dict, size: int) -> ShardBucket:
+    starts = [0] * size
+    slots = []
+    for param in members:
+        r = owner[param]
+        slots.append(Slot(param, r, starts[r], param.numel()))
+        starts[r] += param.numel()
+    return ShardBucket(index, tuple(slots), max(starts))

@@ -55,7 +55,8 @@ class Then:
 
 def allreduce_hook(bucket: Bucket) -> Future:
     """The default hook: one in-place allreduce (``bucket.op``) of the whole bucket buffer; same
-    numbers as DistributedOptimizer without a hook (an allreduce of each gradient).
+    numbers as DistributedOptimizer without a hook (an allreduce of each large gradient, and one
+    per bucket of small ones: :class:`CompressedAllreduce` with no compression).
 
     Raises:
         the errors of :func:`gradsync.allreduce_async_` (from ``wait()``: CollectiveError, ...).

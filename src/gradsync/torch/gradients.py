@@ -1,4 +1,4 @@
-"""What one round of gradient reduction submits, and how it is waited for and checked.
+"""One round of gradient collectives, and the contract every reduction strategy keeps.
 
 A *round* reduces every parameter of a DistributedOptimizer exactly once: a gradient hook hands a
 parameter over as soon as backward has produced its gradient (:meth:`GradientReducer.hand_over`),
@@ -6,8 +6,13 @@ and :meth:`GradientReducer.finish_round` hands over the rest (zeros where this r
 gradient), waits for all of them, checks that no gradient changed while it was in flight, and
 writes the results. So every rank submits the same collectives per round, whatever its data;
 *when* each is submitted differs, which negotiation absorbs. When rounds happen is the
-optimizer's business (optimizer.py); docs/architecture.md, "Rank-invariant collectives", gives
-the rule.
+optimizer's business (:mod:`gradsync.torch.periods`); docs/architecture.md, "Rank-invariant
+collectives", gives the rule.
+
+:class:`GradientReducer` holds what every strategy shares (the round, the layout exchange, sparse
+gradients, the in-flight check); *which* collectives carry a dense gradient is a strategy's
+(:mod:`gradsync.torch.strategies`, and :class:`gradsync.torch.zero.ShardReducer`), chosen once by
+:func:`gradsync.torch.factory.pick_strategy`.
 """
 
 from __future__ import annotations
@@ -16,17 +21,14 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from .. import ops, runtime
 from ..compression import Compressor
-from ..fusion import split_rows
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
-from .buckets import Bucket, Layout, cut_buckets, is_view
 from .model_check import check_same_model, parameter_specs
 from .mpi_ops import sparse_allreduce_async
 
@@ -35,7 +37,7 @@ DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + 
 
 @dataclass(frozen=True)
 class Reduction:
-    """How gradients are reduced: the DistributedOptimizer arguments that shape the collectives."""
+    """How gradients are reduced: the DistributedOptimizer arguments every strategy applies."""
 
     op: ReduceOp
     prescale: float
@@ -43,12 +45,6 @@ class Reduction:
     compression: Compressor
     sparse_as_dense: bool
     process_set: ProcessSet
-    comm_hook: Any = None  # None: each gradient allreduced alone; else buckets, reduced by it
-    bucket_views: bool = False  # p.grad a view into its bucket's buffer (with comm_hook only)
-    bucket_bytes: int = 1 << 20  # a bucket's capacity (the fusion threshold)
-    # With comm_hook: only gradients smaller than this (bytes) go into buckets, the others are
-    # allreduced alone (the default's small-gradient buckets); 0: every gradient into a bucket.
-    bucket_below: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,35 +63,47 @@ class _Round:
     handed: dict[torch.Tensor, HandedOver] = field(default_factory=dict)
     waits: list[Callable[[], None]] = field(default_factory=list)
     finishes: list[Callable[[], None]] = field(default_factory=list)  # after every wait
-    group_ready: dict[int, int] = field(default_factory=dict)  # reduction group -> members handed
+    ready: dict[int, int] = field(default_factory=dict)  # group or bucket -> members handed
     resparsify: dict[torch.Tensor, int] = field(default_factory=dict)  # densified -> sparse_dim
-    bucket_ready: dict[int, int] = field(default_factory=dict)  # bucket -> members handed
     bucket_waits: dict[int, Callable[[], None]] = field(default_factory=dict)  # run in bucket order
 
 
 class GradientReducer:
-    """Submits, waits for and checks one optimizer's gradient collectives, round after round.
+    """The base of every reduction strategy: submits, waits for and checks one optimizer's
+    gradient collectives, round after round.
+
+    The contract the optimizer (:mod:`gradsync.torch.periods`) relies on:
+
+    * :meth:`attach` tracks a parameter and, unless the strategy reduces no gradient during
+      backward, registers its post-accumulate-grad hook (kept in :attr:`hooks`); :meth:`plan`
+      runs once every parameter known at construction is attached;
+    * :meth:`hand_over` starts ``param.grad``'s collectives (from the hook, on the
+      ``backward_passes_per_step``-th gradient); :meth:`finish_round` ends the round;
+    * :meth:`step` runs the wrapped optimizer's step (``run_step``) and whatever the strategy
+      adds around it; :meth:`after_zero_grad` follows every ``zero_grad()``;
+    * :attr:`averages_gradients`: True if the gradients are averaged in rounds (then the optimizer
+      ends a round before each step); False if the strategy reduces something else in
+      :meth:`step` (Adasum's updates).
+
+    Here a dense gradient is allreduced alone (in place); sparse ones are allgathered
+    (:func:`gradsync.torch.sparse_allreduce_async`) by every strategy. Subclasses change
+    :meth:`_ready`, which decides what carries a dense gradient.
 
     Args:
         reduction: the op, scale factors, compression, sparse handling and process set.
         rank: this process's world rank, for messages.
-
-    Parameters are added with :meth:`track`; :meth:`cut_into_groups` cuts those known then into
-    reduction groups (``groups``), or, with a communication hook, into buckets
-    (:mod:`gradsync.torch.buckets`); parameters tracked later are reduced on their own.
     """
+
+    averages_gradients = True
 
     def __init__(self, reduction: Reduction, rank: int) -> None:
         self.reduction = reduction
         self.rank = rank
         self.names: dict[torch.Tensor, str] = {}  # parameter -> name, in the optimizer's order
-        self.groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
-        self.buckets: dict[torch.Tensor, Layout] = {}  # parameter -> its bucket (with a hook)
-        self.layouts: list[Layout] = []
+        self.hooks: list = []  # the hooks' removable handles
         self.rounds = 0  # rounds finished: every rank counts the same (a bucket's step)
         self._round = _Round()
         self._averaged: dict[torch.Tensor, weakref.ref] = {}  # the gradients the last round wrote
-        self._cut = False
         # The first round first checks that every rank has the same parameters (model_check.py);
         # its collectives are named by the order optimizers are created, not by parameter names.
         member = reduction.process_set.process_set_id is not None and reduction.process_set.included()
@@ -104,25 +112,23 @@ class GradientReducer:
             self._model_tag = runtime.get().auto_name("model_check", reduction.process_set.process_set_id)
             self._joins = self._coordinator().joins
 
-    def track(self, param: torch.Tensor, name: str) -> None:
+    def attach(self, param: torch.Tensor, name: str, on_gradient: Callable[[torch.Tensor], None]) -> None:
+        """Track ``param`` as ``name``; ``on_gradient(param)`` runs after each accumulation."""
         self.names[param] = name
-        if self._cut and self.reduction.comm_hook is not None:
-            self._add_buckets([param], [])
+        self.hooks.append(param.register_post_accumulate_grad_hook(on_gradient))
 
-    def cut_into_groups(self, groups: int | list) -> None:
-        self._cut = True
-        self.groups = reduction_groups(list(self.names), groups, self.rank)
-        if self.reduction.comm_hook is not None:  # the groups become buckets
-            self._add_buckets(list(self.names), list(dict.fromkeys(m for _, m in self.groups.values())))
-            self.groups = {}
+    def plan(self) -> None:
+        """Called once the parameters known at construction are attached (here: nothing to plan)."""
 
-    def _add_buckets(self, params: list[torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> None:
-        below = self.reduction.bucket_below
-        if below and not groups:  # the larger gradients are allreduced alone (hand_over)
-            params = [p for p in params if p.numel() * p.element_size() < below]
-        layouts = cut_buckets(params, self.reduction.bucket_bytes, groups, len(self.layouts))
-        self.layouts += layouts
-        self.buckets.update((param, layout) for layout in layouts for param in layout.params)
+    def step(self, run_step: Callable, closure: Callable | None):
+        """Run the wrapped optimizer's step: ``run_step(closure)``, returning its result."""
+        return run_step(closure)
+
+    def after_zero_grad(self, set_to_none: bool) -> None:
+        """Called after the wrapped optimizer's ``zero_grad()`` (here: nothing more)."""
+
+    def allow_skip_synchronize(self) -> None:
+        """Raise if ``skip_synchronize()`` has no meaning with this strategy (here: it has)."""
 
     def first_name(self) -> str:
         """The first parameter's name: it tells this optimizer's own collectives apart."""
@@ -135,6 +141,16 @@ class GradientReducer:
     def in_flight(self) -> list[str]:
         """The names of the gradients handed over in this round, sorted."""
         return sorted(self.names[p] for p in self._round.handed)
+
+    def refuse_in_flight(self, what: str) -> None:
+        """Raise RuntimeError naming ``what`` the user did if gradients are in flight."""
+        names = self.in_flight()
+        if names:
+            raise RuntimeError(
+                f"gradsync: rank {self.rank}: {what} while the gradients of {len(names)} "
+                f"parameter(s) (e.g. {names[0]!r}) are still being allreduced in the background "
+                "(synchronize_in_backward=False, or a backward() that failed). Call "
+                "optimizer.synchronize() first.")
 
     def averaged_by_last_round(self, param: torch.Tensor) -> bool:
         """True if ``param.grad`` is the tensor the last finished round wrote (not dropped since)."""
@@ -151,15 +167,15 @@ class GradientReducer:
             self._round.resparsify[param] = grad.sparse_dim()
             param.grad = grad = grad.to_dense()
         self._round.handed[param] = HandedOver(grad, grad._version)
-        name = f"grad.{self.names[param]}"
         if grad.layout != torch.strided:
-            self._round.waits.append(self._sparse_allgather(param, name, grad))
-        if param in self.groups:  # a sparse member counts as ready in its group too
-            self._group_member_ready(param)
-        elif param in self.buckets:  # and in its bucket (where its slot holds zeros)
-            self._bucket_member_ready(param)
-        elif grad.layout == torch.strided:
-            self._allreduce(param, name, grad)
+            self._round.waits.append(self._sparse_allgather(param, f"grad.{self.names[param]}", grad))
+        self._ready(param, grad)
+
+    def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """``param`` is handed over with ``grad`` (None: no rank has a gradient; sparse: being
+        allgathered already): a dense gradient is allreduced alone, in place."""
+        if grad is not None and grad.layout == torch.strided:
+            self._allreduce(f"grad.{self.names[param]}", grad)
 
     def finish_round(self) -> None:
         """Hand over every gradient not handed over yet, wait for the whole round, then write the
@@ -188,7 +204,7 @@ class GradientReducer:
             self._round.waits.append(functools.partial(ops.synchronize, layouts))
         done, self._round = self._round, _Round()
         self.rounds += 1
-        _call_all(done.waits + [done.bucket_waits[i] for i in sorted(done.bucket_waits)])
+        call_all(done.waits + [done.bucket_waits[i] for i in sorted(done.bucket_waits)])
         self._check_unchanged(done.handed)
         for finish in done.finishes:
             finish()
@@ -221,106 +237,34 @@ class GradientReducer:
     def _hand_over_missing(self, missing: list[torch.Tensor], layouts: dict) -> None:
         for param in missing:
             if layouts[param] == 0:  # no rank has a gradient: nothing to reduce
-                if param in self.groups:
-                    self._group_member_ready(param)
-                elif param in self.buckets:
-                    self._bucket_member_ready(param)
+                self._ready(param, None)
                 continue
             if param.grad is None:
                 param.grad = _zeros(param, int(layouts[param]) - DENSE)
             self.hand_over(param)
 
-    def _allreduce(self, param: torch.Tensor, name: str, grad: torch.Tensor) -> None:
+    def _compress(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` compressed (its decompression queued for the round's end), or an alias of it."""
         compressed, context = self.reduction.compression.compress(grad)
-        reduced = _alias(grad) if compressed is grad else compressed
-        handle = ops.allreduce_async_(reduced, name=name, op=self.reduction.op,
+        if compressed is grad:
+            return alias(grad)
+        self._round.finishes.append(functools.partial(self._decompress, grad, compressed, context))
+        return compressed
+
+    def _allreduce(self, name: str, grad: torch.Tensor) -> None:
+        handle = ops.allreduce_async_(self._compress(grad), name=name, op=self.reduction.op,
                                       prescale_factor=self.reduction.prescale,
                                       postscale_factor=self.reduction.postscale,
                                       process_set=self.reduction.process_set)
         self._round.waits.append(functools.partial(ops.synchronize, handle))
-        if compressed is not grad:
-            self._round.finishes.append(functools.partial(self._decompress, grad, compressed, context))
 
     def _decompress(self, grad: torch.Tensor, compressed: torch.Tensor, context) -> None:
         grad.copy_(self.reduction.compression.decompress(compressed, context))
 
-    def _group_member_ready(self, param: torch.Tensor) -> None:
-        """Count ``param`` ready in its reduction group; the group's last one starts one grouped
-        allreduce per gradient dtype of its dense members."""
-        index, members = self.groups[param]
-        ready = self._round.group_ready[index] = self._round.group_ready.get(index, 0) + 1
-        if ready < len(members):
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for member in members:  # sparse gradients went their own way (allgather)
-            grad = member.grad  # None: no rank has one
-            if grad is not None and grad.layout == torch.strided:
-                compressed, context = self.reduction.compression.compress(grad)
-                by_dtype.setdefault(compressed.dtype, []).append(
-                    _alias(grad) if compressed is grad else compressed)
-                if compressed is not grad:
-                    self._round.finishes.append(
-                        functools.partial(self._decompress, grad, compressed, context))
-        for dtype, grads in by_dtype.items():
-            handle = ops.grouped_allreduce_async_(
-                grads, name=f"grad.group.{index}.{dtype}", op=self.reduction.op,
-                prescale_factor=self.reduction.prescale, postscale_factor=self.reduction.postscale,
-                process_set=self.reduction.process_set)
-            self._round.waits.append(functools.partial(ops.synchronize, handle))
-
-    def _bucket_member_ready(self, param: torch.Tensor) -> None:
-        """Count ``param`` ready in its bucket; the bucket's last one starts the bucket."""
-        layout = self.buckets[param]
-        ready = self._round.bucket_ready[layout.index] = self._round.bucket_ready.get(layout.index, 0) + 1
-        if ready == len(layout.params):
-            self._start_bucket(layout)
-
-    def _start_bucket(self, layout: Layout) -> None:
-        """Fill the bucket's buffer (nothing to copy where ``p.grad`` is its view already; with
-        views, ``p.grad`` becomes the view), then call the hook. The waits of the in-flight check
-        are taken now: every member's accumulation into the shared buffer is done."""
-        buffer = layout.allocate()
-        dense = []
-        for param, view in zip(layout.params, layout.views):
-            grad = param.grad
-            if grad is None or grad.layout != torch.strided:  # none on any rank, or allgathered
-                view.zero_()
-                continue
-            if not is_view(grad, view):
-                view.copy_(grad)
-                if self.reduction.bucket_views:
-                    param.grad = view
-            dense.append(param)
-        if self.reduction.bucket_views:
-            self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p in dense)
-        bucket = Bucket(layout.index, f"grad.bucket.{self.first_name()}.{layout.index}",
-                        tuple(self.names[p] for p in layout.params), _alias(buffer), layout.offsets,
-                        tuple(p.shape for p in layout.params), self.reduction.op,
-                        self.reduction.process_set, self.rounds)
-        future = self.reduction.comm_hook(bucket)
-        self._round.bucket_waits[layout.index] = functools.partial(
-            self._wait_bucket, layout, bucket, dense, future, self._round.finishes)
-
-    def _wait_bucket(self, layout: Layout, bucket: Bucket, dense: list[torch.Tensor], future,
-                     finishes: list[Callable[[], None]]) -> None:
-        result = future.wait()
-        if (not isinstance(result, torch.Tensor) or result.shape != layout.buffer.shape
-                or result.dtype != layout.buffer.dtype):
-            got = (f"a {result.dtype} tensor of shape {tuple(result.shape)}"
-                   if isinstance(result, torch.Tensor) else repr(type(result)))
-            raise TypeError(
-                f"gradsync: rank {self.rank}: the comm_hook {self.reduction.comm_hook!r} returned "
-                f"{got} from wait() for bucket {bucket.index} ({', '.join(bucket.names[:3])}); "
-                f"expected a 1-D {layout.buffer.dtype} tensor of {layout.numel} elements")
-        finishes.append(functools.partial(self._write_bucket, layout, dense, result))
-
-    def _write_bucket(self, layout: Layout, dense: list[torch.Tensor], result: torch.Tensor) -> None:
-        if result.data_ptr() != layout.buffer.data_ptr():
-            layout.buffer.copy_(result)
-        if not self.reduction.bucket_views:
-            views = dict(zip(layout.params, layout.views))
-            for param in dense:
-                param.grad.copy_(views[param])
+    def _count_ready(self, index: int, members: int) -> bool:
+        """Count one more member of group or bucket ``index`` ready; True for its last one."""
+        ready = self._round.ready[index] = self._round.ready.get(index, 0) + 1
+        return ready == members
 
     def _sparse_allgather(self, param: torch.Tensor, name: str,
                           grad: torch.Tensor) -> Callable[[], None]:
@@ -355,42 +299,6 @@ class GradientReducer:
             "synchronize().")
 
 
-def reduction_groups(params: list[torch.Tensor], groups: int | list, rank: int) -> dict:
-    """param -> (group index, the group's parameters).
-
-    ``groups`` is an int N: ``params`` in order, cut into N contiguous groups as evenly as possible
-    (the first ones one parameter larger; 0: no groups); or a list of lists of parameters: each list
-    a group, in its order, without the parameters that are not in ``params`` (no ``requires_grad``).
-    Parameters in no group are reduced on their own, as Horovod's singleton groups.
-
-    Raises:
-        ValueError: a list entry that is not a list of tensors, or a parameter in two groups.
-    """
-    if isinstance(groups, int):
-        bounds = np.cumsum([0, *split_rows(len(params), groups)]) if groups else [0]
-        chunks = [params[a:b] for a, b in zip(bounds, bounds[1:])]
-    else:
-        _check_groups(groups, rank)
-        tracked = {id(p) for p in params}
-        chunks = [[p for p in group if id(p) in tracked] for group in groups]
-    return {param: (index, tuple(members))
-            for index, members in enumerate(chunks) for param in members}
-
-
-def _check_groups(groups: list, rank: int) -> None:
-    """``groups=`` as a list: lists of the optimizer's parameters, each in one group at most."""
-    seen: set[int] = set()
-    for index, group in enumerate(groups):
-        if not isinstance(group, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in group):
-            raise ValueError(f"gradsync: rank {rank}: groups[{index}] must be a list of parameters "
-                             f"(torch.Tensor), got {type(group).__qualname__}")
-        for p in group:
-            if id(p) in seen:
-                raise ValueError(f"gradsync: rank {rank}: a parameter of shape {tuple(p.shape)} is in "
-                                 "groups twice; a parameter may appear in one group only")
-            seen.add(id(p))
-
-
 def _zeros(param: torch.Tensor, sparse_dim: int) -> torch.Tensor:
     """This rank's contribution for a parameter without a gradient: dense zeros, or an empty
     sparse gradient (no rows) of ``sparse_dim`` sparse dimensions."""
@@ -408,13 +316,13 @@ def _layout(grad: torch.Tensor | None) -> int:
     return DENSE if grad.layout == torch.strided else DENSE + grad.sparse_dim()
 
 
-def _alias(grad: torch.Tensor) -> torch.Tensor:
+def alias(grad: torch.Tensor) -> torch.Tensor:
     """The same memory as ``grad`` under a version counter of its own: gradsync's own writes of
     the result (torch ops on the GPU path) must not look like the user changing the gradient."""
     return grad.new_empty(0).set_(grad)
 
 
-def _call_all(waits: list[Callable[[], None]]) -> None:
+def call_all(waits: list[Callable[[], None]]) -> None:
     """Call every wait, even after one failed (so that none is left in flight); then raise the
     first error."""
     error = None

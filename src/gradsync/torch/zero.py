@@ -1,8 +1,9 @@
 """ZeroRedundancyOptimizer: optimizer state sharded over the ranks (ZeRO stage 1).
 
-Each rank owns a balanced shard of the parameters (:func:`shard_plan`) and keeps optimizer state
-only for it. The periods, rounds, hooks and end-of-backward wait are DistributedOptimizer's
-(:mod:`gradsync.torch.optimizer`); only the round's collectives differ (:class:`ShardReducer`):
+Each rank owns a balanced shard of the parameters (:func:`gradsync.torch.buckets.shard_plan`) and
+keeps optimizer state only for it. The periods, hooks and end-of-backward wait are
+DistributedOptimizer's (:mod:`gradsync.torch.periods`); the reduction is a strategy of its own,
+:class:`ShardReducer`:
 
 * during backward, each *bucket* of parameters is reduce-scattered as soon as its last gradient is
   ready: a persistent buffer of shape ``(ranks, width)`` whose row r holds the gradients of the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,138 +28,59 @@ from .. import ops, runtime
 from ..compression import Compression
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
+from .buckets import DEFAULT_SHARD_BUCKET_BYTES, ShardBucket, ShardPlan, shard_plan
+from .factory import wrap_in_place
 from .functions import _on_host
-from .gradients import GradientReducer, Reduction, _call_all
-from .optimizer import _DistributedOptimizer
+from .gradients import GradientReducer, Reduction, call_all
+from .periods import _DistributedOptimizer
 
-DEFAULT_BUCKET_BYTES = 8 << 20
-BALANCE_SLACK = 0.05  # a bucket closes once its padding is at most this fraction of its elements
+DEFAULT_BUCKET_BYTES = DEFAULT_SHARD_BUCKET_BYTES
 BROADCAST_BYTES = 64 << 10  # parameters this large are broadcast alone, in place; smaller ones packed
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where one parameter's gradient sits in its bucket's buffer: row ``owner``, elements
-    ``start`` to ``start + numel``."""
-
-    param: torch.Tensor
-    owner: int  # index of the owning rank in the process set
-    start: int
-    numel: int
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Parameters reduce-scattered together: one buffer of ``(ranks, width)`` elements."""
-
-    index: int
-    slots: tuple[Slot, ...]
-    width: int  # elements per row: the longest owner's share
-
-    @property
-    def members(self) -> tuple[torch.Tensor, ...]:
-        return tuple(slot.param for slot in self.slots)
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Which rank owns which parameter, and the buckets; the same on every rank."""
-
-    buckets: tuple[Bucket, ...]
-    owner: dict  # parameter -> owner index in the process set
-    size: int
-
-    def padding(self) -> float:
-        """Padding elements over gradient elements, in all buckets (0.0: none)."""
-        used = sum(slot.numel for b in self.buckets for slot in b.slots)
-        return (sum(b.width for b in self.buckets) * self.size - used) / max(used, 1)
-
-
-def shard_plan(params: list[torch.Tensor], size: int,
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ShardPlan:
-    """Cut ``params`` (in the optimizer's order) into buckets and give each parameter an owner.
-
-    Buckets are filled in reverse order (the order backward produces gradients, as DDP's), per
-    (device, dtype). Within a bucket the parameters go, largest first, each to the rank with the
-    fewest elements in the bucket so far (ties: the fewest elements over all buckets, then the
-    lowest rank); a bucket closes once it holds at least ``bucket_bytes`` and its rows differ by at
-    most 5 % (or once it holds twice ``bucket_bytes``). Depends only on shapes, dtypes, devices and
-    order, so every rank computes the same plan.
-    """
-    totals = [0] * size
-    owner: dict = {}
-    open_buckets: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype) -> members
-    closed: list[list[torch.Tensor]] = []
-    for param in reversed(params):
-        key = (param.device, param.dtype)
-        members = open_buckets.setdefault(key, [])
-        members.append(param)
-        elements = sum(p.numel() for p in members)
-        if elements * param.element_size() < bucket_bytes:
-            continue
-        owners, loads = _assign(members, totals)
-        padding = max(loads) * size - elements
-        if padding <= BALANCE_SLACK * elements or elements * param.element_size() >= 2 * bucket_bytes:
-            _close(members, owners, totals, owner, closed)
-            del open_buckets[key]
-    for members in open_buckets.values():
-        _close(members, _assign(members, totals)[0], totals, owner, closed)
-    return ShardPlan(tuple(_bucket(i, m, owner, size) for i, m in enumerate(closed)), owner, size)
-
-
-def _assign(members: list[torch.Tensor], totals: list[int]) -> tuple[list[int], list[int]]:
-    """Each member's owner (largest first to the least loaded rank) and the ranks' loads."""
-    loads = [0] * len(totals)
-    owners = [0] * len(members)
-    for i in sorted(range(len(members)), key=lambda i: (-members[i].numel(), i)):
-        rank = min(range(len(totals)), key=lambda r: (loads[r], totals[r], r))
-        owners[i] = rank
-        loads[rank] += members[i].numel()
-    return owners, loads
-
-
-def _close(members: list[torch.Tensor], owners: list[int], totals: list[int], owner: dict,
-           closed: list) -> None:
-    for param, rank in zip(members, owners):
-        owner[param] = rank
-        totals[rank] += param.numel()
-    closed.append(members)
-
-
-def _bucket(index: int, members: list[torch.Tensor], owner: dict, size: int) -> Bucket:
-    starts = [0] * size
-    slots = []
-    for param in members:
-        r = owner[param]
-        slots.append(Slot(param, r, starts[r], param.numel()))
-        starts[r] += param.numel()
-    return Bucket(index, tuple(slots), max(starts))
-
-
 class ShardReducer(GradientReducer):
-    """A GradientReducer whose groups are the plan's buckets, each reduce-scattered to the owners
-    of its parameters; after the round, this rank's other parameters have no gradient (None).
+    """The ZeRO strategy: a reduction whose buckets are the shard plan's, each reduce-scattered to
+    the owners of its parameters (Average over the process set); after the round, this rank's
+    other parameters have no gradient (None). Its :meth:`step` runs the wrapped optimizer's step
+    (on this rank's shard), then broadcasts every parameter from its owner. Registers one
+    post-accumulate-grad hook per parameter; parameters cannot be added after :meth:`plan`.
 
     Every round also carries one small allreduce (Max) of whether this rank is still training:
     :meth:`ZeroOptimizer.join` keeps a rank that ran out of data stepping with the others.
+
+    Args:
+        reduction: Average, no scaling or compression, sparse gradients densified.
+        rank: this process's world rank, for messages.
+        bucket_bytes: the plan's bucket size (:func:`gradsync.torch.buckets.shard_plan`).
     """
 
-    def __init__(self, reduction: Reduction, rank: int, names: dict) -> None:
+    def __init__(self, reduction: Reduction, rank: int, bucket_bytes: int) -> None:
         super().__init__(reduction, rank)
-        self.names = names
-        self.plan = ShardPlan((), {}, reduction.process_set.size())
+        self.bucket_bytes = bucket_bytes
+        self.size = reduction.process_set.size()
+        self.shards = ShardPlan((), {}, self.size)
         self.me = reduction.process_set.rank()
         self.active = 1  # 0 while this rank stands in from join()
+        self.groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
         self._buffers: list[torch.Tensor] = []
         self._flagged = False  # this round's "still training" allreduce was submitted
 
-    def use_plan(self, plan: ShardPlan) -> None:
-        self.plan = plan
+    def plan(self) -> None:
+        """Plan the shards of every attached parameter; the buffers and the broadcasts' layout."""
+        plan = self.shards = shard_plan(list(self.names), self.size, self.bucket_bytes)
         self.groups = {slot.param: (b.index, b.members) for b in plan.buckets for slot in b.slots}
         self._buffers = [b.slots[0].param.new_zeros((plan.size, b.width)) for b in plan.buckets]
+        self._roots = {p: self.reduction.process_set.ranks[r] for p, r in plan.owner.items()}
+        self._large = [p for p in self.names if p.numel() * p.element_size() >= BROADCAST_BYTES]
+        small: dict[tuple, list[list[torch.Tensor]]] = {}  # (device, dtype) -> each rank's params
+        for param in self.names:
+            if param.numel() * param.element_size() < BROADCAST_BYTES:
+                ranks = small.setdefault((param.device, param.dtype), [[] for _ in range(self.size)])
+                ranks[plan.owner[param]].append(param)
+        self._small = list(small.values())
 
     def owned(self, param: torch.Tensor) -> bool:
-        return self.plan.owner.get(param) == self.me
+        return self.shards.owner.get(param) == self.me
 
     def active_flag_name(self) -> str:
         return f"gradsync.zero.active.{self.first_name()}"
@@ -201,14 +122,15 @@ class ShardReducer(GradientReducer):
         """This round's flag was exchanged by join() already."""
         self._flagged = True
 
-    def _group_member_ready(self, param: torch.Tensor) -> None:
-        """Count ``param`` ready in its bucket; the bucket's last one packs the bucket's
-        gradients into its buffer (zeros where no rank has one) and starts its reducescatter."""
+    def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Count ``param`` ready in its bucket; the bucket's last one starts the bucket."""
         index, members = self.groups[param]
-        ready = self._round.group_ready[index] = self._round.group_ready.get(index, 0) + 1
-        if ready < len(members):
-            return
-        bucket, buffer = self.plan.buckets[index], self._buffers[index]
+        if self._count_ready(index, len(members)):
+            self._start_bucket(self.shards.buckets[index], self._buffers[index])
+
+    def _start_bucket(self, bucket: ShardBucket, buffer: torch.Tensor) -> None:
+        """Pack the bucket's gradients into its buffer (zeros where no rank has one) and start its
+        reducescatter."""
         with torch.no_grad():
             for slot in bucket.slots:
                 row = buffer[slot.owner, slot.start:slot.start + slot.numel]
@@ -217,7 +139,7 @@ class ShardReducer(GradientReducer):
                     row.zero_()
                 else:
                     row.copy_(grad.reshape(-1))
-        handle = ops.reducescatter_async(buffer, name=f"gradsync.zero.bucket.{index}."
+        handle = ops.reducescatter_async(buffer, name=f"gradsync.zero.bucket.{bucket.index}."
                                          f"{self.first_name()}", op=self.reduction.op,
                                          process_set=self.reduction.process_set)
         finishes = self._round.finishes
@@ -228,41 +150,105 @@ class ShardReducer(GradientReducer):
 
         self._round.waits.append(wait)
 
-    def _unpack(self, bucket: Bucket, row: torch.Tensor) -> None:
+    def _unpack(self, bucket: ShardBucket, row: torch.Tensor) -> None:
         with torch.no_grad():
             for slot in bucket.slots:
                 grad = slot.param.grad
                 if slot.owner == self.me and grad is not None:
                     grad.copy_(row[slot.start:slot.start + slot.numel].view_as(grad))
 
+    def step(self, run_step: Callable, closure: Callable | None):
+        """The wrapped optimizer's step on this rank's shard, then every parameter from its owner."""
+        result = run_step(closure)
+        self._broadcast_parameters()
+        return result
+
+    def _broadcast_parameters(self) -> None:
+        """Every parameter from its owner: large ones broadcast in place (no copy), the small ones
+        of each (device, dtype) packed and allgathered together (one collective, not one each)."""
+        if self.size == 1:
+            return
+        process_set = self.reduction.process_set
+        waits = [functools.partial(ops.synchronize, ops.broadcast_async_(
+                     param.detach(), self._roots[param], name=f"gradsync.zero.param.{self.names[param]}",
+                     process_set=process_set)) for param in self._large]
+        for index, ranks in enumerate(self._small):
+            with torch.no_grad():
+                mine = [p.detach().reshape(-1) for p in ranks[self.me]]
+                any_param = next(p for params in ranks for p in params)
+                flat = torch.cat(mine) if mine else any_param.new_empty(0)
+            handle = ops.allgather_async(flat, name=f"gradsync.zero.small.{index}.{self.first_name()}",
+                                         process_set=process_set)
+            waits.append(functools.partial(self._unpack_small, handle, ranks))
+        call_all(waits)
+
+    def _unpack_small(self, handle, ranks: list[list[torch.Tensor]]) -> None:
+        gathered, start = ops.synchronize(handle), 0
+        with torch.no_grad():
+            for r, params in enumerate(ranks):
+                for param in params:
+                    if r != self.me:
+                        param.copy_(gathered[start:start + param.numel()].view_as(param))
+                    start += param.numel()
+
+    def after_zero_grad(self, set_to_none: bool) -> None:
+        """Zero the gradients of the parameters this rank does not own too."""
+        for param in self.names:
+            if not self.owned(param) and param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """See :meth:`ZeroOptimizer.clip_grad_norm_` (the round has finished)."""
+        grads = [p.grad for p in self.names if self.owned(p) and p.grad is not None]
+        infinite = math.isinf(norm_type)
+        local = [g.detach().abs().max().double() if infinite else
+                 g.detach().double().abs().pow(norm_type).sum() for g in grads]
+        value = torch.stack(local).max() if infinite and local else sum(local, torch.zeros((),
+                                                                                 dtype=torch.float64))
+        total = ops.allreduce(value.cpu().reshape(1), name=f"gradsync.zero.grad_norm.{self.first_name()}",
+                              op=ReduceOp.Max if infinite else ReduceOp.Sum,
+                              process_set=self.reduction.process_set)[0]
+        norm = total if infinite else total.pow(1.0 / norm_type)
+        coefficient = float(max_norm) / (norm.item() + 1e-6)
+        if coefficient < 1.0:
+            with torch.no_grad():
+                for grad in grads:
+                    grad.mul_(coefficient)
+        return norm
+
+    def others_train(self) -> bool:
+        """While this rank stands in (join): one allreduce (Max) of the ranks' "still training"
+        flags, this rank's 0; True if some rank still trains (this round's flag is then spent)."""
+        flag = ops.allreduce(np.zeros(1, np.int8), name=self.active_flag_name(), op=ReduceOp.Max,
+                             process_set=self.reduction.process_set)
+        return bool(flag[0])
+
 
 class ZeroOptimizer(_DistributedOptimizer):
     """Mixed in before the wrapped optimizer's class; see :func:`ZeroRedundancyOptimizer`."""
 
-    def _zero_setup(self, bucket_bytes: int) -> None:
-        reducer = ShardReducer(self._gs_reducer.reduction, self._gs_rank, self._gs_names)
-        self._gs_reducer = reducer
+    def _gradsync_setup(self, named_parameters: dict, backward_passes_per_step: int,
+                        strategy: GradientReducer, synchronize_in_backward: bool) -> None:
+        """DistributedOptimizer's setup with ``strategy`` (a :class:`ShardReducer`); then keep only
+        this rank's shard in the wrapped optimizer's param groups and state."""
+        super()._gradsync_setup(named_parameters, backward_passes_per_step, strategy,
+                                synchronize_in_backward)
+        self._zero = shards = strategy
         self._zero_groups = [list(group["params"]) for group in self.param_groups]
         self._zero_index = {p: i for i, p in enumerate(p for g in self._zero_groups for p in g)}
-        reducer.use_plan(shard_plan(list(self._gs_names), self._gs_size, bucket_bytes))
-        self._zero_roots = {p: self._gs_process_set.ranks[r] for p, r in reducer.plan.owner.items()}
-        self._zero_large = [p for p in self._gs_names if p.numel() * p.element_size() >= BROADCAST_BYTES]
-        small: dict[tuple, list[list[torch.Tensor]]] = {}  # (device, dtype) -> each rank's params
-        for param in self._gs_names:
-            if param.numel() * param.element_size() < BROADCAST_BYTES:
-                ranks = small.setdefault((param.device, param.dtype), [[] for _ in range(self._gs_size)])
-                ranks[reducer.plan.owner[param]].append(param)
-        self._zero_small = list(small.values())
         for group in self.param_groups:
-            group["params"] = [p for p in group["params"] if reducer.owned(p)]
-        for param in [p for p in self.state if not reducer.owned(p)]:
+            group["params"] = [p for p in group["params"] if shards.owned(p)]
+        for param in [p for p in self.state if not shards.owned(p)]:
             del self.state[param]
         self._zero_consolidated: dict | None = None
 
     @property
     def shard_plan(self) -> ShardPlan:
         """Which rank owns which parameter (indices in the process set), and the buckets."""
-        return self._gs_reducer.plan
+        return self._zero.shards
 
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
         """Average this period's gradients as DistributedOptimizer's step() does, step this rank's
@@ -273,48 +259,7 @@ class ZeroOptimizer(_DistributedOptimizer):
             As DistributedOptimizer's ``step()``.
         """
         self._zero_consolidated = None  # a consolidated state is the state before this step
-        result = super().step(closure)
-        self._zero_broadcast_parameters()
-        return result
-
-    def _zero_broadcast_parameters(self) -> None:
-        """Every parameter from its owner: large ones broadcast in place (no copy), the small ones
-        of each (device, dtype) packed and allgathered together (one collective, not one each)."""
-        if self._gs_size == 1:
-            return
-        names = self._gs_names
-        waits = [functools.partial(ops.synchronize, ops.broadcast_async_(
-                     param.detach(), self._zero_roots[param], name=f"gradsync.zero.param.{names[param]}",
-                     process_set=self._gs_process_set)) for param in self._zero_large]
-        for index, ranks in enumerate(self._zero_small):
-            with torch.no_grad():
-                mine = [p.detach().reshape(-1) for p in ranks[self._gs_reducer.me]]
-                any_param = next(p for params in ranks for p in params)
-                flat = torch.cat(mine) if mine else any_param.new_empty(0)
-            handle = ops.allgather_async(flat, name=f"gradsync.zero.small.{index}."
-                                         f"{self._gs_reducer.first_name()}",
-                                         process_set=self._gs_process_set)
-            waits.append(functools.partial(self._zero_unpack_small, handle, ranks))
-        _call_all(waits)
-
-    def _zero_unpack_small(self, handle, ranks: list[list[torch.Tensor]]) -> None:
-        gathered, start = ops.synchronize(handle), 0
-        with torch.no_grad():
-            for r, params in enumerate(ranks):
-                for param in params:
-                    if r != self._gs_reducer.me:
-                        param.copy_(gathered[start:start + param.numel()].view_as(param))
-                    start += param.numel()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients of every parameter (not only this rank's shard), torch semantics."""
-        super().zero_grad(set_to_none=set_to_none)
-        for param in self._gs_names:
-            if not self._gs_reducer.owned(param) and param.grad is not None:
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.detach_().zero_()
+        return super().step(closure)
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused: the shards are planned once, when the optimizer is wrapped.
@@ -325,7 +270,7 @@ class ZeroOptimizer(_DistributedOptimizer):
         if not hasattr(self, "_zero_groups"):
             super().add_param_group(param_group)
             return
-        raise ValueError(f"gradsync: rank {self._gs_rank}: ZeroRedundancyOptimizer plans its shards "
+        raise ValueError(f"gradsync: rank {self._zero.rank}: ZeroRedundancyOptimizer plans its shards "
                          "once: add every param group before wrapping the optimizer")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -345,23 +290,7 @@ class ZeroOptimizer(_DistributedOptimizer):
                 its reducescatter was in flight).
         """
         self.synchronize()
-        grads = [p.grad for p in self._gs_names if self._gs_reducer.owned(p) and p.grad is not None]
-        infinite = math.isinf(norm_type)
-        local = [g.detach().abs().max().double() if infinite else
-                 g.detach().double().abs().pow(norm_type).sum() for g in grads]
-        value = torch.stack(local).max() if infinite and local else sum(local, torch.zeros((),
-                                                                                 dtype=torch.float64))
-        total = ops.allreduce(value.cpu().reshape(1), name=f"gradsync.zero.grad_norm."
-                              f"{self._gs_reducer.first_name()}",
-                              op=ReduceOp.Max if infinite else ReduceOp.Sum,
-                              process_set=self._gs_process_set)[0]
-        norm = total if infinite else total.pow(1.0 / norm_type)
-        coefficient = float(max_norm) / (norm.item() + 1e-6)
-        if coefficient < 1.0:
-            with torch.no_grad():
-                for grad in grads:
-                    grad.mul_(coefficient)
-        return norm
+        return self._zero.clip_grad_norm(max_norm, norm_type)
 
     def join(self) -> None:
         """Keep taking part in the other ranks' steps until every rank has called join().
@@ -376,22 +305,18 @@ class ZeroOptimizer(_DistributedOptimizer):
         Raises:
             RuntimeError: gradients are still being reduced (call step() or zero_grad() first).
         """
-        self._gs_refuse_in_flight("optimizer.join() was called")
-        reducer = self._gs_reducer
-        reducer.active = 0
-        self._gs_warned_no_gradient = True  # standing in without gradients is the point here
+        shards = self._zero
+        shards.refuse_in_flight("optimizer.join() was called")
+        shards.active = 0
         try:
-            while True:
-                flag = ops.allreduce(np.zeros(1, np.int8), name=reducer.active_flag_name(),
-                                     op=ReduceOp.Max, process_set=self._gs_process_set)
-                if flag[0] == 0:
-                    break
+            while shards.others_train():
                 self.zero_grad(set_to_none=True)
-                reducer.skip_flag()
-                self._gs_new_period()
-                self.step()
+                shards.skip_flag()
+                shards.finish_round()  # zeros for every gradient, as the others' step
+                with self.skip_synchronize():
+                    self.step()
         finally:
-            reducer.active = 1
+            shards.active = 1
         self.zero_grad(set_to_none=True)
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -405,19 +330,19 @@ class ZeroOptimizer(_DistributedOptimizer):
         Raises:
             ValueError: ``to`` is not a rank of the optimizer's process set.
         """
-        if to not in self._gs_process_set.ranks:
-            raise ValueError(f"gradsync: rank {self._gs_rank}: consolidate_state_dict(to={to!r}): "
-                             f"not a rank of {self._gs_process_set}")
+        if to not in self._zero.reduction.process_set.ranks:
+            raise ValueError(f"gradsync: rank {self._zero.rank}: consolidate_state_dict(to={to!r}): "
+                             f"not a rank of {self._zero.reduction.process_set}")
         mine = _on_host(self._zero_shard_state())
         state: dict = {}
-        for root in self._gs_process_set.ranks:
-            shard = ops.broadcast_object(mine if root == self._gs_rank else None, root,
+        for root in self._zero.reduction.process_set.ranks:
+            shard = ops.broadcast_object(mine if root == self._zero.rank else None, root,
                                          name=f"gradsync.zero.consolidate.{root}",
-                                         process_set=self._gs_process_set)
-            if self._gs_rank == to:
+                                         process_set=self._zero.reduction.process_set)
+            if self._zero.rank == to:
                 state.update(shard)
         self._zero_consolidated = None
-        if self._gs_rank == to:
+        if self._zero.rank == to:
             groups = torch.optim.Optimizer.state_dict(self)["param_groups"]
             self._zero_consolidated = {"state": dict(sorted(state.items())), "param_groups": [
                 dict(group, params=[self._zero_index[p] for p in full])
@@ -439,7 +364,7 @@ class ZeroOptimizer(_DistributedOptimizer):
         """
         if self._zero_consolidated is None:
             raise RuntimeError(
-                f"gradsync: rank {self._gs_rank}: ZeroRedundancyOptimizer.state_dict(): the state "
+                f"gradsync: rank {self._zero.rank}: ZeroRedundancyOptimizer.state_dict(): the state "
                 "is sharded; call optimizer.consolidate_state_dict(to=R) on every rank first, then "
                 "state_dict() on rank R")
         return self._zero_consolidated
@@ -455,7 +380,7 @@ class ZeroOptimizer(_DistributedOptimizer):
         groups = state_dict["param_groups"]
         lengths = [len(g["params"]) for g in groups]
         if lengths != [len(g) for g in self._zero_groups]:
-            raise ValueError(f"gradsync: rank {self._gs_rank}: the loaded state has param groups "
+            raise ValueError(f"gradsync: rank {self._zero.rank}: the loaded state has param groups "
                              f"of {lengths} parameters, this optimizer {[len(g) for g in self._zero_groups]}")
         owned = [p for group in self.param_groups for p in group["params"]]
         by_position = {self._zero_index[p]: i for i, p in enumerate(owned)}
@@ -470,10 +395,6 @@ class ZeroOptimizer(_DistributedOptimizer):
             start += len(group["params"])
         super().load_state_dict({"state": local_state, "param_groups": local_groups})
 
-
-@functools.cache
-def _zero_class(cls: type) -> type:
-    return type(f"ZeroRedundancy{cls.__name__}", (ZeroOptimizer, cls), {})
 
 
 def ZeroRedundancyOptimizer(optimizer: torch.optim.Optimizer,
@@ -519,28 +440,13 @@ def ZeroRedundancyOptimizer(optimizer: torch.optim.Optimizer,
         NotInitializedError: before ``gradsync.init()``.
     """
     rank = runtime.get().rank
-    if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError(f"gradsync: rank {rank}: this optimizer is already distributed")
     if int(bucket_bytes) < 1:
         raise ValueError(f"gradsync: rank {rank}: bucket_bytes must be >= 1, got {bucket_bytes!r}")
-    if int(backward_passes_per_step) < 1:
-        raise ValueError(f"gradsync: rank {rank}: backward_passes_per_step must be >= 1, got "
-                         f"{backward_passes_per_step}")
-    if "step" in vars(optimizer):
-        raise ValueError(f"gradsync: rank {rank}: optimizer.step has been replaced on this "
-                         "optimizer object (an LR scheduler created before wrapping does this); "
-                         "wrap the optimizer before creating LR schedulers")
-    original = type(optimizer)
-    optimizer.__class__ = _zero_class(original)
-    try:
-        reduction = Reduction(ReduceOp.Average, 1.0, 1.0, Compression.none, True, process_set)
-        optimizer._gradsync_setup(named_parameters, int(backward_passes_per_step), reduction, 0,
-                                  bool(synchronize_in_backward))
-        optimizer._zero_setup(int(bucket_bytes))
-    except BaseException:
-        optimizer.__class__ = original
-        raise
-    return optimizer
+    named = None if named_parameters is None else list(named_parameters)
+    reduction = Reduction(ReduceOp.Average, 1.0, 1.0, Compression.none, True, process_set)
+    return wrap_in_place(optimizer, ZeroOptimizer, "ZeroRedundancy",
+                         lambda: ShardReducer(reduction, rank, int(bucket_bytes)), named,
+                         backward_passes_per_step, synchronize_in_backward)
 
 
 __all__ = ["ZeroRedundancyOptimizer", "ZeroOptimizer", "ShardPlan", "shard_plan"]
