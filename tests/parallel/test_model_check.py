@@ -71,3 +71,16 @@ def test_the_same_model_on_every_rank_trains_without_error(rank, size):
     _train_one_backward(model)
     weights = gst.allgather(model[0].weight.detach().reshape(1, -1))
     assert all(torch.equal(weights[0], w) for w in weights)
+
+
+def test_adasum_checks_before_combining_updates(rank, size):
+    torch.set_num_threads(1)
+    layers = [torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)]
+    if rank == size - 1:
+        layers.append(torch.nn.Linear(1, 1))
+
+    def adasum(optimizer, named_parameters):
+        return gst.DistributedOptimizer(optimizer, named_parameters=named_parameters, op=gst.Adasum)
+
+    message = _error_of(torch.nn.Sequential(*layers), optimizer_factory=adasum)
+    assert f"'2.weight' (1, 1) only on rank(s) [{size - 1}]" in message

@@ -29,8 +29,8 @@ from .. import ops, runtime
 from ..compression import Compressor
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
-from .model_check import check_same_model, parameter_specs
 from .mpi_ops import sparse_allreduce_async
+from .parameter_check import check_same_model, parameter_specs
 
 DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + its sparse_dim
 
@@ -104,7 +104,7 @@ class GradientReducer:
         self.rounds = 0  # rounds finished: every rank counts the same (a bucket's step)
         self._round = _Round()
         self._averaged: dict[torch.Tensor, weakref.ref] = {}  # the gradients the last round wrote
-        # The first round first checks that every rank has the same parameters (model_check.py);
+        # The first round first checks that every rank has the same parameters (parameter_check.py);
         # its collectives are named by the order optimizers are created, not by parameter names.
         member = reduction.process_set.process_set_id is not None and reduction.process_set.included()
         self._model_checked = not member
@@ -194,8 +194,7 @@ class GradientReducer:
         """
         if not self.names:
             return
-        if not self._model_checked:
-            self.check_model()
+        self.check_model()
         layouts = self._exchange_layouts()
         missing = [p for p in self.names if not self.handed(p)]
         if missing:
@@ -214,7 +213,9 @@ class GradientReducer:
 
     def check_model(self) -> None:
         """Once, before this optimizer's first collective: raise CollectiveError on every rank if
-        the ranks' parameters differ (:func:`gradsync.torch.model_check.check_same_model`)."""
+        the ranks' parameters differ (:func:`gradsync.torch.parameter_check.check_same_model`)."""
+        if self._model_checked:
+            return
         self._model_checked = True
         if self._coordinator().joins != self._joins:
             return  # the others checked while this rank stood in from join(): it would check alone

@@ -278,6 +278,7 @@ class _DistributedOptimizer:
         if not self._gs_parameters_checked:
             self._gs_parameters_checked = True
             if self._gs_coordinator.joins == self._gs_joins:
+                self._gs_strategy.check_model()  # the same model first (an error), then its values
                 warn_if_parameters_differ(self._gs_names, self._gs_strategy.reduction.process_set,
                                           self._gs_rank)
         result = self._gs_strategy.step(super().step, closure)

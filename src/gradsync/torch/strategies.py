@@ -231,8 +231,6 @@ class AdasumDeltas(GradientReducer):
         update)."""
         from .mpi_ops import grouped_allreduce_async_
 
-        if not self._model_checked:
-            self.check_model()
         params = list(self.names)
         with torch.no_grad():
             start = [p.detach().clone() for p in params]
