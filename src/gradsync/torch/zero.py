@@ -449,20 +449,15 @@ def ZeroRedundancyOptimizer(optimizer: torch.optim.Optimizer,
     """Make ``optimizer`` data-parallel with its state sharded over the ranks (ZeRO stage 1).
 
     The parameters are laid out flat in buckets, each split evenly by element over the ranks of
-    ``process_set`` (planned from shapes, dtypes and order alone, so the same on every rank; a
-    parameter may span owners), and each rank keeps optimizer state only for its elements: at most
-    1/N of the whole plus one element per bucket, on any model. The wrapped optimizer's
-    ``param_groups`` on this rank list its *shard tensors* (a parameter it owns whole, or a flat
-    view of the elements it owns of one), with every group's hyper-parameters (LR schedulers
-    created after wrapping work as usual). During backward the gradients are reduce-scattered
-    bucket by bucket, so that when backward returns each rank's ``p.grad`` holds the average of
-    the elements it owns, zeros elsewhere (None where it owns nothing of ``p``); ``step()`` updates
-    the shard and allgathers the updated elements before it returns. With equal per-rank batches,
-    N ranks compute the same update as one process on the N-times larger batch, as
-    DistributedOptimizer does, for any optimizer whose update is elementwise (SGD, Adam, AdamW,
-    RMSprop, Adagrad, ...; not LBFGS, nor per-tensor norms such as LAMB's on a split parameter).
-    Same role as ``torch.distributed.optim.ZeroRedundancyOptimizer``; docs/sharding.md lists the
-    differences.
+    ``process_set`` (from shapes, dtypes and order alone; a parameter may span owners), and each
+    rank keeps optimizer state for its elements only: at most 1/N of it plus one element per
+    bucket. This rank's ``param_groups`` list its *shard tensors* (a parameter it owns whole, or a
+    flat view of its elements of one) with every group's hyper-parameters, so LR schedulers work.
+    When backward returns, ``p.grad`` holds the average of this rank's elements, zeros elsewhere
+    (None if it owns nothing of ``p``); ``step()`` updates the shard and allgathers the updated
+    elements. N ranks then compute the same update as one process on the N-times larger batch for
+    any elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad; not LBFGS, nor LAMB's per-tensor
+    norms). Same role as ``torch.distributed.optim.ZeroRedundancyOptimizer``; docs/sharding.md.
 
     DistributedOptimizer's contract holds (docs/getting-started.md): averaged when backward
     returns, zeros from a rank without a gradient, ``synchronize()``, ``skip_synchronize()``,
