@@ -83,8 +83,9 @@ def train_reference(model, optimizer, steps, first=0, ranks=None):
 
 
 def state_bytes(optimizer):
+    """Bytes of the optimizer's state tensors shaped like what it steps (not Adam's scalar step)."""
     return sum(v.nbytes for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor))
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 # --- training equals one process ---------------------------------------------------------------
@@ -96,15 +97,27 @@ def test_adam_equals_one_process_on_the_concatenated_batch():
     assert_trained_alike(model, reference)
 
 
+def ownership(optimizer, model):
+    """1 where this rank owns the element of the flattened parameters, else 0 (int64)."""
+    pieces = optimizer.shard_plan.pieces(gradsync.rank())
+    masks = []
+    for p in model.parameters():
+        mask = torch.zeros(p.numel(), dtype=torch.int64)
+        if p in pieces:
+            mask[pieces[p].start:pieces[p].start + pieces[p].numel] = 1
+        masks.append(mask)
+    return torch.cat(masks)
+
+
 def test_each_rank_keeps_state_for_its_shard_only():
     model = make_model()
     optimizer = zero(model)
     train(model, optimizer, 1)
-    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    owners = gradsync.allgather(torch.tensor([[id(p) in mine for p in model.parameters()]]),
-                                name="zero.owners")
-    assert owners.sum(0).tolist() == [1] * len(list(model.parameters()))  # each owned once
-    assert {id(p) for p in optimizer.state} == mine
+    owners = gradsync.allgather(ownership(optimizer, model).reshape(1, -1), name="zero.owners")
+    assert owners.sum(0).tolist() == [1] * owners.shape[1]  # every element owned once
+    shards = [p for group in optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in optimizer.state} == {id(p) for p in shards}
+    assert sum(p.numel() for p in shards) == int(owners[gradsync.rank()].sum())
 
 
 def test_a_scheduler_changes_the_learning_rate_of_the_shard():
@@ -143,19 +156,23 @@ def test_optimizer_state_per_rank_is_a_share_of_distributed_optimizers():
 
 # --- gradients ---------------------------------------------------------------------------------
 
-def test_backward_returns_the_averaged_gradients_of_the_shard_and_none_elsewhere():
+def test_backward_returns_the_averaged_gradients_of_the_shard_and_zeros_elsewhere():
     model, reference = make_model(), make_model()
     optimizer = zero(model)
     x, y = batch(gradsync.rank(), 0)
     F.mse_loss(model(x), y).backward()
     x, y = concatenated(0)
     F.mse_loss(reference(x), y).backward()
+    pieces = optimizer.shard_plan.pieces(gradsync.rank())
     for p, q in zip(model.parameters(), reference.parameters()):
-        owned = any(p is o for group in optimizer.param_groups for o in group["params"])
-        assert (p.grad is not None) == owned
-        if owned:
-            assert torch.allclose(p.grad, q.grad, atol=1e-6)
+        assert (p.grad is not None) == (p in pieces)
+        if p in pieces:
+            mine = slice(pieces[p].start, pieces[p].start + pieces[p].numel)
+            expected = torch.zeros(p.numel())
+            expected[mine] = q.grad.reshape(-1)[mine]
+            assert torch.allclose(p.grad.reshape(-1), expected, atol=1e-6)
     optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_clip_grad_norm_uses_the_norm_over_every_shard():
@@ -314,13 +331,78 @@ def test_a_process_set_shards_among_its_members():
 
 # --- the plan ----------------------------------------------------------------------------------
 
-def test_the_plan_is_balanced_and_the_same_on_every_rank():
+def test_the_plan_splits_every_bucket_evenly_and_is_the_same_on_every_rank():
     from gradsync.torch.zero import shard_plan
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 7, 100, 7, 100, 7, 100, 7, 3)]
-    plan = shard_plan(params, 4, bucket_bytes=1600)
-    owners = [plan.owner[p] for p in params]
-    everyone = gradsync.allgather(torch.tensor([owners]), name="zero.plan")
+    plan = shard_plan(params, 4, bucket_bytes=800)
+    assert [len(b.members) for b in plan.buckets] == [5, 4]  # reverse order, closed at 200 elements
+    index = {id(p): i for i, p in enumerate(params)}
+    rows = [[(index[id(piece.param)], piece.start, piece.numel) for piece in b.pieces(r)]
+            for r in range(4) for b in plan.buckets]
+    assert [b.width for b in plan.buckets] == [55, 54]  # ceil(217 / 4), ceil(214 / 4)
+    assert rows[:4:2] == [[(8, 0, 3), (7, 0, 7), (6, 0, 45)], [(6, 45, 55)]]  # rank 0, rank 1
+    assert rows[4:8:2] == [[(5, 0, 7), (4, 0, 48)], [(4, 48, 52)]]  # ranks 2 and 3, bucket 0
+    encoded = torch.tensor([[x for row in rows for piece in row for x in piece]])
+    everyone = gradsync.allgather(encoded, name="zero.plan")
     assert all(torch.equal(everyone[0], row) for row in everyone)
-    loads = [sum(p.numel() for p in params if plan.owner[p] == r) for r in range(4)]
-    assert max(loads) - min(loads) <= 10
+    total = sum(p.numel() for p in params)
+    assert sum(plan.elements(r) for r in range(4)) == total
+    assert max(plan.elements(r) for r in range(4)) <= -(-total // 4) + len(plan.buckets)
+
+
+# --- a model whose largest tensor is most of it -------------------------------------------------
+
+def make_lopsided_model():
+    """3131 parameters, 2048 (65 %) in one weight: owned whole, it would keep 65 % of the state
+    on one rank."""
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 256),
+                               torch.nn.Tanh(), torch.nn.Linear(256, 3)).double()
+
+
+def train_double(model, optimizer, steps, first=0, ranks=None):
+    """Steps on this rank's batch (ranks=None) or on the concatenated batches of ``ranks``."""
+    for step in range(first, first + steps):
+        optimizer.zero_grad()
+        x, y = batch(gradsync.rank(), step) if ranks is None else concatenated(step, ranks)
+        F.mse_loss(model(x.double()), y.double()).backward()
+        optimizer.step()
+
+
+def test_state_per_rank_is_a_share_even_when_one_tensor_is_most_of_the_model():
+    model, reference = make_lopsided_model(), make_lopsided_model()
+    sizes = [p.numel() for p in model.parameters()]
+    assert max(sizes) > sum(sizes) / 2
+    optimizer, plain = zero(model), adam(reference)
+    train_double(model, optimizer, 5)
+    train_double(reference, plain, 5, ranks=range(gradsync.size()))
+    per_rank = gradsync.allgather(torch.tensor([state_bytes(optimizer)]), name="zero.lopsided.bytes")
+    assert int(per_rank.sum()) == state_bytes(plain)
+    assert int(per_rank.max()) <= (1 / gradsync.size() + 0.05) * state_bytes(plain)
+    mine = flat(model.parameters())
+    everyone = gradsync.allgather(mine.reshape(1, -1), name="zero.lopsided.parameters")
+    assert all(torch.equal(everyone[0], row) for row in everyone), "the ranks' parameters differ"
+    assert (mine - flat(reference.parameters())).abs().max().item() <= 1e-12
+
+
+def test_a_plain_optimizers_state_loads_at_any_number_of_ranks():
+    """Adam's state from one process, sliced by each rank's load_state_dict, trains on as it."""
+    model, reference = make_lopsided_model(), make_lopsided_model()
+    everyone = range(gradsync.size())
+    plain = adam(reference)
+    train_double(reference, plain, 3, ranks=everyone)
+    model.load_state_dict(reference.state_dict())
+    optimizer = zero(model)
+    optimizer.load_state_dict(copy.deepcopy(plain.state_dict()))
+    train_double(model, optimizer, 3, first=3)
+    train_double(reference, plain, 3, first=3, ranks=everyone)
+    optimizer.consolidate_state_dict(to=0)
+    if gradsync.rank() == 0:
+        state, expected = optimizer.state_dict()["state"], plain.state_dict()["state"]
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.allclose(state[key]["exp_avg_sq"], value["exp_avg_sq"], rtol=1e-10)
+            assert state[key]["exp_avg_sq"].shape == value["exp_avg_sq"].shape
+            assert float(state[key]["step"]) == float(value["step"]) == 6
+    assert (flat(model.parameters()) - flat(reference.parameters())).abs().max().item() <= 1e-12

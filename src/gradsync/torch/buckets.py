@@ -21,8 +21,9 @@ threshold if larger) and reduced by one allreduce each
 (:class:`gradsync.torch.strategies.SmallGradientBuckets`); larger gradients are not in a bucket
 and are allreduced alone, in place.
 
-:func:`shard_plan` cuts ZeroRedundancyOptimizer's buckets: each parameter gets an owner rank, and
-each :class:`ShardBucket` is reduce-scattered to the owners (:mod:`gradsync.torch.zero`).
+:func:`shard_plan` cuts ZeroRedundancyOptimizer's buckets and splits each evenly by element over
+the ranks (a parameter may span owners); each :class:`ShardBucket` is reduce-scattered to its
+owners (:mod:`gradsync.torch.zero`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
 
 DEFAULT_SHARD_BUCKET_BYTES = 8 << 20  # ZeroRedundancyOptimizer's bucket_bytes
-BALANCE_SLACK = 0.05  # a shard bucket closes once its padding is at most this fraction of its elements
 
 
 @dataclass(frozen=True)
@@ -144,100 +144,94 @@ def _layout(index: int, members: list[torch.Tensor]) -> Layout:
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Where one parameter's gradient sits in its bucket's buffer: row ``owner``, elements
-    ``start`` to ``start + numel``."""
+class Piece:
+    """The elements of one parameter that one rank owns: the parameter's flat elements ``start``
+    to ``start + numel``, at ``row_start`` in that rank's row of bucket ``bucket``."""
 
     param: torch.Tensor
-    owner: int  # index of the owning rank in the process set
+    bucket: int
     start: int
     numel: int
+    row_start: int
+
+    @property
+    def whole(self) -> bool:
+        """True if the rank owns every element of the parameter."""
+        return self.numel == self.param.numel()
 
 
 @dataclass(frozen=True)
 class ShardBucket:
-    """ZeroRedundancyOptimizer's bucket: parameters reduce-scattered together, one buffer of
-    ``(ranks, width)`` elements."""
+    """ZeroRedundancyOptimizer's bucket: parameters of one (device, dtype) laid out flat, back to
+    back (``offsets``, ``numel`` elements in all), and split evenly by element: rank r owns the
+    bucket's elements ``r * width`` to ``min((r + 1) * width, numel)``, so the buffer reduce-scattered
+    is ``(ranks, width)`` with row r holding rank r's elements (zero padding at the end of the last)."""
 
     index: int
-    slots: tuple[Slot, ...]
-    width: int  # elements per row: the longest owner's share
+    members: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    width: int  # elements per row: ceil(numel / ranks)
 
-    @property
-    def members(self) -> tuple[torch.Tensor, ...]:
-        return tuple(slot.param for slot in self.slots)
+    def pieces(self, rank: int) -> list[Piece]:
+        """The pieces of the members that ``rank`` (index in the process set) owns, in order."""
+        first, end = rank * self.width, min((rank + 1) * self.width, self.numel)
+        pieces = []
+        for param, offset in zip(self.members, self.offsets):
+            lo, hi = max(offset, first), min(offset + param.numel(), end)
+            if lo < hi:
+                pieces.append(Piece(param, self.index, lo - offset, hi - lo, lo - first))
+        return pieces
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which rank owns which parameter, and the buckets; the same on every rank."""
+    """The buckets, each split evenly over ``size`` ranks; the same on every rank."""
 
     buckets: tuple[ShardBucket, ...]
-    owner: dict  # parameter -> owner index in the process set
     size: int
 
+    def pieces(self, rank: int) -> dict:
+        """parameter -> the :class:`Piece` of it that ``rank`` owns (at most one per parameter:
+        a rank's elements of a bucket are contiguous); parameters it owns nothing of are absent."""
+        return {piece.param: piece for bucket in self.buckets for piece in bucket.pieces(rank)}
+
+    def elements(self, rank: int) -> int:
+        """How many parameter elements ``rank`` owns (at most ceil(total / size) + one per bucket)."""
+        return sum(piece.numel for piece in self.pieces(rank).values())
+
     def padding(self) -> float:
-        """Padding elements over gradient elements, in all buckets (0.0: none)."""
-        used = sum(slot.numel for b in self.buckets for slot in b.slots)
+        """Padding elements over gradient elements, in all buckets (under ``size`` per bucket)."""
+        used = sum(b.numel for b in self.buckets)
         return (sum(b.width for b in self.buckets) * self.size - used) / max(used, 1)
 
 
 def shard_plan(params: list[torch.Tensor], size: int,
                bucket_bytes: int = DEFAULT_SHARD_BUCKET_BYTES) -> ShardPlan:
-    """Cut ``params`` (in the optimizer's order) into buckets and give each parameter an owner.
+    """Cut ``params`` (in the optimizer's order) into buckets, each split evenly over ``size`` ranks.
 
-    Buckets are filled in reverse order (the order backward produces gradients, as DDP's), per
-    (device, dtype). Within a bucket the parameters go, largest first, each to the rank with the
-    fewest elements in the bucket so far (ties: the fewest elements over all buckets, then the
-    lowest rank); a bucket closes once it holds at least ``bucket_bytes`` and its rows differ by at
-    most 5 % (or once it holds twice ``bucket_bytes``). Depends only on shapes, dtypes, devices and
-    order, so every rank computes the same plan.
+    The parameters are laid out flat in reverse order (the order backward produces gradients, as
+    DDP's buckets), per (device, dtype); a bucket closes once it holds at least ``bucket_bytes``
+    (a larger parameter makes a bucket of its own). Each bucket's elements are then split into
+    ``size`` contiguous ranges of ``ceil(numel / size)`` (DeepSpeed's ZeRO-1 partition, per bucket),
+    so a parameter may span owners, and every rank owns at most ``ceil(total / size)`` elements
+    plus one per bucket, on any model. Depends only on shapes, dtypes, devices and order, so every
+    rank computes the same plan.
     """
-    totals = [0] * size
-    owner: dict = {}
     open_buckets: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype) -> members
+    elements: dict[tuple, int] = {}
     closed: list[list[torch.Tensor]] = []
     for param in reversed(params):
         key = (param.device, param.dtype)
-        members = open_buckets.setdefault(key, [])
-        members.append(param)
-        elements = sum(p.numel() for p in members)
-        if elements * param.element_size() < bucket_bytes:
-            continue
-        owners, loads = _assign_owners(members, totals)
-        padding = max(loads) * size - elements
-        if padding <= BALANCE_SLACK * elements or elements * param.element_size() >= 2 * bucket_bytes:
-            _close_shard_bucket(members, owners, totals, owner, closed)
-            del open_buckets[key]
-    for members in open_buckets.values():
-        _close_shard_bucket(members, _assign_owners(members, totals)[0], totals, owner, closed)
-    return ShardPlan(tuple(_shard_bucket(i, m, owner, size) for i, m in enumerate(closed)), owner, size)
+        open_buckets.setdefault(key, []).append(param)
+        elements[key] = elements.get(key, 0) + param.numel()
+        if elements[key] * param.element_size() >= bucket_bytes:
+            closed.append(open_buckets.pop(key))
+            del elements[key]
+    closed.extend(open_buckets.values())
+    return ShardPlan(tuple(_shard_bucket(i, members, size) for i, members in enumerate(closed)), size)
 
 
-def _assign_owners(members: list[torch.Tensor], totals: list[int]) -> tuple[list[int], list[int]]:
-    """Each member's owner (largest first to the least loaded rank) and the ranks' loads."""
-    loads = [0] * len(totals)
-    owners = [0] * len(members)
-    for i in sorted(range(len(members)), key=lambda i: (-members[i].numel(), i)):
-        rank = min(range(len(totals)), key=lambda r: (loads[r], totals[r], r))
-        owners[i] = rank
-        loads[rank] += members[i].numel()
-    return owners, loads
-
-
-def _close_shard_bucket(members: list[torch.Tensor], owners: list[int], totals: list[int], owner: dict,
-           closed: list) -> None:
-    for param, rank in zip(members, owners):
-        owner[param] = rank
-        totals[rank] += param.numel()
-    closed.append(members)
-
-
-def _shard_bucket(index: int, members: list[torch.Tensor], owner: dict, size: int) -> ShardBucket:
-    starts = [0] * size
-    slots = []
-    for param in members:
-        r = owner[param]
-        slots.append(Slot(param, r, starts[r], param.numel()))
-        starts[r] += param.numel()
-    return ShardBucket(index, tuple(slots), max(starts))
+def _shard_bucket(index: int, members: list[torch.Tensor], size: int) -> ShardBucket:
+    layout = _layout(index, members)
+    return ShardBucket(index, layout.params, layout.offsets, layout.numel, -(-layout.numel // size))

@@ -1,16 +1,17 @@
 """ZeroRedundancyOptimizer: optimizer state sharded over the ranks (ZeRO stage 1).
 
-Each rank owns a balanced shard of the parameters (:func:`gradsync.torch.buckets.shard_plan`) and
-keeps optimizer state only for it. The periods, hooks and end-of-backward wait are
-DistributedOptimizer's (:mod:`gradsync.torch.periods`); the reduction is a strategy of its own,
-:class:`ShardReducer`:
+The parameters are laid out flat in buckets and each bucket is split evenly by element over the
+ranks (:func:`gradsync.torch.buckets.shard_plan`, DeepSpeed's ZeRO-1 partition): a parameter may
+span owners, and each rank keeps optimizer state only for its elements. The periods, hooks and
+end-of-backward wait are DistributedOptimizer's (:mod:`gradsync.torch.periods`); the reduction is
+a strategy of its own, :class:`ShardReducer`:
 
-* during backward, each *bucket* of parameters is reduce-scattered as soon as its last gradient is
-  ready: a persistent buffer of shape ``(ranks, width)`` whose row r holds the gradients of the
-  bucket's parameters that rank r owns (zero padding to the longest row), so that each rank
-  receives the average of its own parameters' gradients;
-* ``step()`` runs the wrapped optimizer on this rank's shard only, then every parameter is
-  broadcast in place from its owner, so every rank holds the same parameters when step() returns.
+* during backward, each bucket is reduce-scattered as soon as its last gradient is ready: a
+  persistent ``(ranks, width)`` buffer holding the bucket's gradients flat, whose row r (the
+  elements rank r owns) goes to rank r as the average over the ranks;
+* ``step()`` runs the wrapped optimizer on this rank's shard tensors (the parameter where the rank
+  owns all of it, else a flat view of its elements: :mod:`gradsync.torch.zero_state`), then one
+  allgather per bucket brings every rank's updated elements to every rank.
 
 docs/sharding.md explains the choices and their costs.
 """
@@ -28,22 +29,24 @@ from .. import ops, runtime
 from ..compression import Compression
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
-from .buckets import DEFAULT_SHARD_BUCKET_BYTES, ShardBucket, ShardPlan, shard_plan
+from .buckets import DEFAULT_SHARD_BUCKET_BYTES, Piece, ShardBucket, ShardPlan, shard_plan
 from .factory import wrap_in_place
 from .functions import _on_host
 from .gradients import GradientReducer, Reduction, call_all
 from .periods import _DistributedOptimizer
+from .zero_state import flat, merge_pieces, shard_tensor, slice_state
 
 DEFAULT_BUCKET_BYTES = DEFAULT_SHARD_BUCKET_BYTES
-BROADCAST_BYTES = 64 << 10  # parameters this large are broadcast alone, in place; smaller ones packed
 
 
 class ShardReducer(GradientReducer):
-    """The ZeRO strategy: a reduction whose buckets are the shard plan's, each reduce-scattered to
-    the owners of its parameters (Average over the process set); after the round, this rank's
-    other parameters have no gradient (None). Its :meth:`step` runs the wrapped optimizer's step
-    (on this rank's shard), then broadcasts every parameter from its owner. Registers one
-    post-accumulate-grad hook per parameter; parameters cannot be added after :meth:`plan`.
+    """The ZeRO strategy: a reduction whose buckets are the shard plan's, each reduce-scattered so
+    that every rank receives the average (over the process set) of the elements it owns; after the
+    round, this rank's gradients hold those averages and zeros elsewhere, and the gradients of
+    parameters it owns nothing of are None. Its :meth:`step` runs the wrapped optimizer's step (on
+    this rank's shard tensors, :func:`gradsync.torch.zero_state.shard_tensor`), then allgathers
+    every bucket's updated elements from their owners. Registers one post-accumulate-grad hook per
+    parameter; parameters cannot be added after :meth:`plan`.
 
     Every round also carries one small allreduce (Max) of whether this rank is still training:
     :meth:`ZeroOptimizer.join` keeps a rank that ran out of data stepping with the others.
@@ -58,29 +61,35 @@ class ShardReducer(GradientReducer):
         super().__init__(reduction, rank)
         self.bucket_bytes = bucket_bytes
         self.size = reduction.process_set.size()
-        self.shards = ShardPlan((), {}, self.size)
+        self.shards = ShardPlan((), self.size)
         self.me = reduction.process_set.rank()
         self.active = 1  # 0 while this rank stands in from join()
-        self.groups: dict[torch.Tensor, tuple[int, tuple[torch.Tensor, ...]]] = {}
-        self._buffers: list[torch.Tensor] = []
+        self.pieces: dict[torch.Tensor, Piece] = {}  # parameter -> this rank's piece of it
+        self.shard_tensors: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> what is stepped
         self._flagged = False  # this round's "still training" allreduce was submitted
 
     def plan(self) -> None:
-        """Plan the shards of every attached parameter; the buffers and the broadcasts' layout."""
+        """Plan the shards of every attached parameter; the buckets' buffers and this rank's rows.
+
+        Raises:
+            ValueError: a parameter is not contiguous (its elements could not be split by views).
+        """
+        for param, name in self.names.items():
+            if not param.is_contiguous():
+                raise ValueError(f"gradsync: rank {self.rank}: ZeroRedundancyOptimizer shards "
+                                 f"parameters by element: parameter {name!r} is not contiguous "
+                                 f"(shape {tuple(param.shape)}, stride {param.stride()})")
         plan = self.shards = shard_plan(list(self.names), self.size, self.bucket_bytes)
-        self.groups = {slot.param: (b.index, b.members) for b in plan.buckets for slot in b.slots}
-        self._buffers = [b.slots[0].param.new_zeros((plan.size, b.width)) for b in plan.buckets]
-        self._roots = {p: self.reduction.process_set.ranks[r] for p, r in plan.owner.items()}
-        self._large = [p for p in self.names if p.numel() * p.element_size() >= BROADCAST_BYTES]
-        small: dict[tuple, list[list[torch.Tensor]]] = {}  # (device, dtype) -> each rank's params
-        for param in self.names:
-            if param.numel() * param.element_size() < BROADCAST_BYTES:
-                ranks = small.setdefault((param.device, param.dtype), [[] for _ in range(self.size)])
-                ranks[plan.owner[param]].append(param)
-        self._small = list(small.values())
+        self.groups = {p: b.index for b in plan.buckets for p in b.members}
+        self._buffers = [b.members[0].new_zeros((plan.size, b.width)) for b in plan.buckets]
+        self._rows = [b.members[0].new_zeros(b.width) for b in plan.buckets]
+        self._mine = [b.pieces(self.me) for b in plan.buckets]
+        self.pieces = plan.pieces(self.me)
+        self.shard_tensors = {p: shard_tensor(piece) for p, piece in self.pieces.items()}
 
     def owned(self, param: torch.Tensor) -> bool:
-        return self.shards.owner.get(param) == self.me
+        """True if this rank owns some of ``param``'s elements."""
+        return param in self.pieces
 
     def active_flag_name(self) -> str:
         return f"gradsync.zero.active.{self.first_name()}"
@@ -90,8 +99,9 @@ class ShardReducer(GradientReducer):
         super().hand_over(param)
 
     def finish_round(self) -> None:
-        """As GradientReducer's; then this rank's gradients of parameters it does not own are
-        dropped (set to None): only the owner holds the average."""
+        """As GradientReducer's; then this rank keeps the averages of its own elements only: the
+        gradients of parameters it owns nothing of are dropped (None), the others' elements of
+        the parameters it shares are zeroed, and each shard tensor's ``grad`` is its elements."""
         if not self.names:
             return
         self._flag_round()
@@ -100,8 +110,25 @@ class ShardReducer(GradientReducer):
         finally:
             self._flagged = False
         for param in self.names:
-            if not self.owned(param):
+            piece = self.pieces.get(param)
+            if piece is None:
                 param.grad = None
+            elif not piece.whole:
+                self._point_shard_gradient(param, piece)
+
+    def _point_shard_gradient(self, param: torch.Tensor, piece: Piece) -> None:
+        """The shard tensor's gradient: a view of ``param.grad``'s own elements, the rest zeroed."""
+        shard, grad = self.shard_tensors[param], param.grad
+        if grad is None:
+            shard.grad = None
+            return
+        if grad.layout != torch.strided or not grad.is_contiguous():
+            param.grad = grad = grad.to_dense().contiguous()
+        elements = flat(grad)
+        with torch.no_grad():
+            elements[:piece.start].zero_()
+            elements[piece.start + piece.numel:].zero_()
+        shard.grad = elements[piece.start:piece.start + piece.numel]
 
     def averaged_by_last_round(self, param: torch.Tensor) -> bool:
         """A dropped gradient counts as averaged while this rank's own averages are still there."""
@@ -124,21 +151,22 @@ class ShardReducer(GradientReducer):
 
     def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
         """Count ``param`` ready in its bucket; the bucket's last one starts the bucket."""
-        index, members = self.groups[param]
-        if self._count_ready(index, len(members)):
-            self._start_bucket(self.shards.buckets[index], self._buffers[index])
+        index = self.groups[param]
+        bucket = self.shards.buckets[index]
+        if self._count_ready(index, len(bucket.members)):
+            self._start_bucket(bucket, self._buffers[index])
 
     def _start_bucket(self, bucket: ShardBucket, buffer: torch.Tensor) -> None:
-        """Pack the bucket's gradients into its buffer (zeros where no rank has one) and start its
-        reducescatter."""
+        """Pack the bucket's gradients flat into its ``(ranks, width)`` buffer (zeros where no
+        rank has one) and start its reducescatter: row r goes to rank r."""
+        elements = buffer.view(-1)
         with torch.no_grad():
-            for slot in bucket.slots:
-                row = buffer[slot.owner, slot.start:slot.start + slot.numel]
-                grad = slot.param.grad
-                if grad is None:
+            for param, offset in zip(bucket.members, bucket.offsets):
+                row = elements[offset:offset + param.numel()]
+                if param.grad is None:
                     row.zero_()
                 else:
-                    row.copy_(grad.reshape(-1))
+                    row.copy_(param.grad.reshape(-1))
         handle = ops.reducescatter_async(buffer, name=f"gradsync.zero.bucket.{bucket.index}."
                                          f"{self.first_name()}", op=self.reduction.op,
                                          process_set=self.reduction.process_set)
@@ -151,50 +179,53 @@ class ShardReducer(GradientReducer):
         self._round.waits.append(wait)
 
     def _unpack(self, bucket: ShardBucket, row: torch.Tensor) -> None:
+        """This rank's averaged elements of ``bucket`` (``row``) into its gradients."""
         with torch.no_grad():
-            for slot in bucket.slots:
-                grad = slot.param.grad
-                if slot.owner == self.me and grad is not None:
-                    grad.copy_(row[slot.start:slot.start + slot.numel].view_as(grad))
+            for piece in self._mine[bucket.index]:
+                grad = piece.param.grad
+                if grad is None:
+                    continue
+                if not grad.is_contiguous():
+                    piece.param.grad = grad = grad.contiguous()
+                flat(grad)[piece.start:piece.start + piece.numel].copy_(
+                    row[piece.row_start:piece.row_start + piece.numel])
 
     def step(self, run_step: Callable, closure: Callable | None):
-        """The wrapped optimizer's step on this rank's shard, then every parameter from its owner."""
+        """The wrapped optimizer's step on this rank's shard, then every bucket's elements from
+        their owners."""
         result = run_step(closure)
-        self._broadcast_parameters()
+        self._gather_parameters()
         return result
 
-    def _broadcast_parameters(self) -> None:
-        """Every parameter from its owner: large ones broadcast in place (no copy), the small ones
-        of each (device, dtype) packed and allgathered together (one collective, not one each)."""
+    def _gather_parameters(self) -> None:
+        """One allgather per bucket of each rank's row of updated elements, unpacked into every
+        parameter this rank does not own whole."""
         if self.size == 1:
             return
-        process_set = self.reduction.process_set
-        waits = [functools.partial(ops.synchronize, ops.broadcast_async_(
-                     param.detach(), self._roots[param], name=f"gradsync.zero.param.{self.names[param]}",
-                     process_set=process_set)) for param in self._large]
-        for index, ranks in enumerate(self._small):
+        waits = []
+        for bucket, row in zip(self.shards.buckets, self._rows):
             with torch.no_grad():
-                mine = [p.detach().reshape(-1) for p in ranks[self.me]]
-                any_param = next(p for params in ranks for p in params)
-                flat = torch.cat(mine) if mine else any_param.new_empty(0)
-            handle = ops.allgather_async(flat, name=f"gradsync.zero.small.{index}.{self.first_name()}",
-                                         process_set=process_set)
-            waits.append(functools.partial(self._unpack_small, handle, ranks))
+                for piece in self._mine[bucket.index]:
+                    row[piece.row_start:piece.row_start + piece.numel].copy_(
+                        flat(piece.param)[piece.start:piece.start + piece.numel])
+            handle = ops.allgather_async(row, name=f"gradsync.zero.params.{bucket.index}."
+                                         f"{self.first_name()}", process_set=self.reduction.process_set)
+            waits.append(functools.partial(self._unpack_parameters, bucket, handle))
         call_all(waits)
 
-    def _unpack_small(self, handle, ranks: list[list[torch.Tensor]]) -> None:
-        gathered, start = ops.synchronize(handle), 0
+    def _unpack_parameters(self, bucket: ShardBucket, handle) -> None:
+        gathered = ops.synchronize(handle)
         with torch.no_grad():
-            for r, params in enumerate(ranks):
-                for param in params:
-                    if r != self.me:
-                        param.copy_(gathered[start:start + param.numel()].view_as(param))
-                    start += param.numel()
+            for param, offset in zip(bucket.members, bucket.offsets):
+                piece = self.pieces.get(param)
+                if piece is None or not piece.whole:
+                    flat(param).copy_(gathered[offset:offset + param.numel()])
 
     def after_zero_grad(self, set_to_none: bool) -> None:
-        """Zero the gradients of the parameters this rank does not own too."""
+        """Zero the gradients of the parameters this rank does not own whole too."""
         for param in self.names:
-            if not self.owned(param) and param.grad is not None:
+            piece = self.pieces.get(param)
+            if (piece is None or not piece.whole) and param.grad is not None:
                 if set_to_none:
                     param.grad = None
                 else:
@@ -202,7 +233,7 @@ class ShardReducer(GradientReducer):
 
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """See :meth:`ZeroOptimizer.clip_grad_norm_` (the round has finished)."""
-        grads = [p.grad for p in self.names if self.owned(p) and p.grad is not None]
+        grads = [t.grad for t in self.shard_tensors.values() if t.grad is not None]
         infinite = math.isinf(norm_type)
         local = [g.detach().abs().max().double() if infinite else
                  g.detach().double().abs().pow(norm_type).sum() for g in grads]
@@ -232,28 +263,32 @@ class ZeroOptimizer(_DistributedOptimizer):
 
     def _gradsync_setup(self, named_parameters: dict, backward_passes_per_step: int,
                         strategy: GradientReducer, synchronize_in_backward: bool) -> None:
-        """DistributedOptimizer's setup with ``strategy`` (a :class:`ShardReducer`); then keep only
-        this rank's shard in the wrapped optimizer's param groups and state."""
+        """DistributedOptimizer's setup with ``strategy`` (a :class:`ShardReducer`); then the
+        wrapped optimizer's param groups and state hold this rank's shard tensors only."""
         super()._gradsync_setup(named_parameters, backward_passes_per_step, strategy,
                                 synchronize_in_backward)
         self._zero = shards = strategy
         self._zero_groups = [list(group["params"]) for group in self.param_groups]
         self._zero_index = {p: i for i, p in enumerate(p for g in self._zero_groups for p in g)}
+        # the parameters this rank steps some of, in the order of its shard tensors
+        self._zero_owned = [p for g in self._zero_groups for p in g if shards.owned(p)]
         for group in self.param_groups:
-            group["params"] = [p for p in group["params"] if shards.owned(p)]
-        for param in [p for p in self.state if not shards.owned(p)]:
-            del self.state[param]
+            group["params"] = [shards.shard_tensors[p] for p in group["params"] if shards.owned(p)]
+        state = {p: self.state.pop(p) for p in list(self.state)}
+        for param, value in state.items():
+            if shards.owned(param):
+                self.state[shards.shard_tensors[param]] = slice_state(value, shards.pieces[param])
         self._zero_consolidated: dict | None = None
 
     @property
     def shard_plan(self) -> ShardPlan:
-        """Which rank owns which parameter (indices in the process set), and the buckets."""
+        """The buckets and which elements each rank (index in the process set) owns."""
         return self._zero.shards
 
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
         """Average this period's gradients as DistributedOptimizer's step() does, step this rank's
-        shard, then broadcast every parameter from its owner (in place), so that every rank holds
-        the same parameters when step() returns.
+        shard tensors, then allgather every bucket's elements from their owners, so that every
+        rank holds the same parameters when step() returns.
 
         Raises:
             As DistributedOptimizer's ``step()``.
@@ -298,7 +333,7 @@ class ZeroOptimizer(_DistributedOptimizer):
         For uneven data: a rank that runs out of batches calls ``optimizer.join()`` instead of
         its training loop. While other ranks still train, it steps with them, contributing zeros
         to the average (Average divides by the number of ranks, as ``gradsync.join()``), updating
-        its own shard with their gradients and broadcasting it. Every rank must call it once it
+        its own shard with their gradients and sending it. Every rank must call it once it
         has no more data, between steps. The ranks that still train must submit no collectives
         other than this optimizer's while some rank stands in here.
 
@@ -324,35 +359,42 @@ class ZeroOptimizer(_DistributedOptimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on world rank ``to`` (same semantics as torch's
         ``ZeroRedundancyOptimizer.consolidate_state_dict``); every rank of the process set must
-        call it. Each rank's shard travels by :func:`gradsync.broadcast_object` from that rank in
-        turn (host copies), so a rank holds at most one other shard at a time.
+        call it. Each rank's pieces travel by :func:`gradsync.broadcast_object` from that rank in
+        turn (host copies), so a rank holds at most one other shard at a time; the pieces of a
+        parameter are put together by :func:`gradsync.torch.zero_state.merge_pieces`.
 
         Raises:
             ValueError: ``to`` is not a rank of the optimizer's process set.
         """
-        if to not in self._zero.reduction.process_set.ranks:
+        process_set = self._zero.reduction.process_set
+        if to not in process_set.ranks:
             raise ValueError(f"gradsync: rank {self._zero.rank}: consolidate_state_dict(to={to!r}): "
-                             f"not a rank of {self._zero.reduction.process_set}")
+                             f"not a rank of {process_set}")
         mine = _on_host(self._zero_shard_state())
-        state: dict = {}
-        for root in self._zero.reduction.process_set.ranks:
+        pieces: dict[int, list] = {}
+        for root in process_set.ranks:
             shard = ops.broadcast_object(mine if root == self._zero.rank else None, root,
                                          name=f"gradsync.zero.consolidate.{root}",
-                                         process_set=self._zero.reduction.process_set)
+                                         process_set=process_set)
             if self._zero.rank == to:
-                state.update(shard)
+                for index, piece in shard.items():
+                    pieces.setdefault(index, []).append(piece)
         self._zero_consolidated = None
         if self._zero.rank == to:
+            params = [p for g in self._zero_groups for p in g]
             groups = torch.optim.Optimizer.state_dict(self)["param_groups"]
-            self._zero_consolidated = {"state": dict(sorted(state.items())), "param_groups": [
-                dict(group, params=[self._zero_index[p] for p in full])
-                for group, full in zip(groups, self._zero_groups)]}
+            self._zero_consolidated = {
+                "state": {i: merge_pieces(pieces[i], params[i], i) for i in sorted(pieces)},
+                "param_groups": [dict(group, params=[self._zero_index[p] for p in full])
+                                 for group, full in zip(groups, self._zero_groups)]}
 
     def _zero_shard_state(self) -> dict:
-        """This rank's state, keyed by the parameter's index in the whole optimizer."""
+        """This rank's state: the parameter's index in the whole optimizer -> (the piece's first
+        element, its element count, the shard tensor's state)."""
         local = torch.optim.Optimizer.state_dict(self)
-        owned = [p for group in self.param_groups for p in group["params"]]
-        return {self._zero_index[owned[i]]: value for i, value in local["state"].items()}
+        pieces = [self._zero.pieces[p] for p in self._zero_owned]
+        return {self._zero_index[pieces[i].param]: (pieces[i].start, pieces[i].numel, value)
+                for i, value in local["state"].items()}
 
     def state_dict(self) -> dict:
         """The consolidated state (in the wrapped optimizer's own format, with the indices of the
@@ -370,9 +412,10 @@ class ZeroOptimizer(_DistributedOptimizer):
         return self._zero_consolidated
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a whole (consolidated) state: this rank keeps the state of its own parameters and
-        every group's hyper-parameters. Call it on every rank with the same state; a state saved
-        at another number of ranks, or by the plain optimizer, loads alike.
+        """Load a whole (consolidated) state: this rank keeps its pieces of every parameter's
+        state (:func:`gradsync.torch.zero_state.slice_state`) and every group's hyper-parameters.
+        Call it on every rank with the same state; a state saved at another number of ranks, or
+        by the plain optimizer, loads alike.
 
         Raises:
             ValueError: the state's groups differ in number or length from the optimizer's.
@@ -382,11 +425,11 @@ class ZeroOptimizer(_DistributedOptimizer):
         if lengths != [len(g) for g in self._zero_groups]:
             raise ValueError(f"gradsync: rank {self._zero.rank}: the loaded state has param groups "
                              f"of {lengths} parameters, this optimizer {[len(g) for g in self._zero_groups]}")
-        owned = [p for group in self.param_groups for p in group["params"]]
-        by_position = {self._zero_index[p]: i for i, p in enumerate(owned)}
+        by_position = {self._zero_index[p]: i for i, p in enumerate(self._zero_owned)}
         saved = [i for group in groups for i in group["params"]]  # by position in the optimizer
-        local_state = {by_position[n]: state_dict["state"][key] for n, key in enumerate(saved)
-                       if n in by_position and key in state_dict["state"]}
+        local_state = {by_position[n]: slice_state(state_dict["state"][key],
+                                                   self._zero.pieces[self._zero_owned[by_position[n]]])
+                       for n, key in enumerate(saved) if n in by_position and key in state_dict["state"]}
         local_groups, start = [], 0
         for group in groups:
             mine = [by_position[n] for n in range(start, start + len(group["params"]))
@@ -405,18 +448,16 @@ def ZeroRedundancyOptimizer(optimizer: torch.optim.Optimizer,
                             synchronize_in_backward: bool = True) -> torch.optim.Optimizer:
     """Make ``optimizer`` data-parallel with its state sharded over the ranks (ZeRO stage 1).
 
-    Each rank of ``process_set`` owns a balanced shard of the parameters (by element count,
-    planned from shapes and order alone, so the same on every rank) and keeps optimizer state only
-    for it: the wrapped optimizer's ``param_groups`` on this rank list only its own parameters, with
-    every group's hyper-parameters (LR schedulers created after wrapping work as usual). During
-    backward the gradients are reduce-scattered bucket by bucket, so that when backward returns
-    each rank holds the average of its own parameters' gradients (the others' ``p.grad`` are
-    None); ``step()`` updates the shard and broadcasts each parameter from its owner before it
-    returns. With equal per-rank batches, N ranks compute the same update as one process on the
-    N-times larger batch, as DistributedOptimizer does, for any optimizer whose update of a
-    parameter reads only that parameter's gradient and state (SGD, Adam, AdamW, RMSprop, ...; not
-    LBFGS). Same role as ``torch.distributed.optim.ZeroRedundancyOptimizer``; docs/sharding.md
-    lists the differences.
+    The parameters are laid out flat in buckets, each split evenly by element over the ranks of
+    ``process_set`` (from shapes, dtypes and order alone; a parameter may span owners), and each
+    rank keeps optimizer state for its elements only: at most 1/N of it plus one element per
+    bucket. This rank's ``param_groups`` list its *shard tensors* (a parameter it owns whole, or a
+    flat view of its elements of one) with every group's hyper-parameters, so LR schedulers work.
+    When backward returns, ``p.grad`` holds the average of this rank's elements, zeros elsewhere
+    (None if it owns nothing of ``p``); ``step()`` updates the shard and allgathers the updated
+    elements. N ranks then compute the same update as one process on the N-times larger batch for
+    any elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad; not LBFGS, nor LAMB's per-tensor
+    norms). Same role as ``torch.distributed.optim.ZeroRedundancyOptimizer``; docs/sharding.md.
 
     DistributedOptimizer's contract holds (docs/getting-started.md): averaged when backward
     returns, zeros from a rank without a gradient, ``synchronize()``, ``skip_synchronize()``,
@@ -431,12 +472,13 @@ def ZeroRedundancyOptimizer(optimizer: torch.optim.Optimizer,
         named_parameters: ``model.named_parameters()``, as for DistributedOptimizer.
         process_set: the ranks that share the state (default: every rank).
         backward_passes_per_step: backward passes accumulated locally per step.
-        bucket_bytes: gradient bytes per reduce-scattered bucket, at least (8 MiB by default); a
-            bucket closes once its ranks' rows differ by at most 5 %, or at twice this size.
+        bucket_bytes: gradient bytes per reduce-scattered bucket, at least (8 MiB by default; a
+            larger parameter is a bucket of its own).
         synchronize_in_backward: as for DistributedOptimizer.
 
     Raises:
-        ValueError: as DistributedOptimizer, and ``bucket_bytes < 1``.
+        ValueError: as DistributedOptimizer, ``bucket_bytes < 1``, or a parameter that is not
+            contiguous.
         NotInitializedError: before ``gradsync.init()``.
     """
     rank = runtime.get().rank
