@@ -119,7 +119,11 @@ class Driver:
                 pass
             if not self.args.host_discovery_script:
                 continue
-            usable = self.blacklist.usable(self.known_hosts())
+            try:
+                usable = self.blacklist.usable(self.known_hosts())
+            except hostlib.HostsError as error:  # the job keeps its hosts; the next look may work
+                log(f"host discovery failed while the job runs, keeping its hosts: {error}")
+                continue
             removed = {h for h, n in placed.items() if usable.get(h, 0) < n}
             if removed:
                 _end(job)
