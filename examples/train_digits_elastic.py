@@ -32,11 +32,12 @@ from train_digits import evaluate, load_data  # noqa: E402  (the same data and t
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="learning rate of one process; multiplied by the number of ranks")
     parser.add_argument("--batches-per-commit", type=int, default=5,
                         help="steps between commits: what a failure loses at most")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.05,
+                        help="learning rate of one process; multiplied by the number of ranks "
+                             "(again after each restart, by the reset callback)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
