@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,7 +160,8 @@ def test_the_digits_example_survives_a_killed_worker(tmp_path):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, output
-    assert "gradsyncrun: restart 1: the job exited with status" in output, output
+    # The slots file shrank just before the kill: the driver may see either first.
+    assert re.search(r"gradsyncrun: restart 1: (the job exited with status|hosts removed)", output), output
     assert "launching 2 ranks on localhost:2" in output and "epoch 10/10 on 2 ranks" in output, output
     last = output.strip().splitlines()[-2]  # before the driver's "the job finished" line
     assert last.startswith("test_accuracy=") and float(last.split("=")[1]) >= 0.95, output
