@@ -5,12 +5,14 @@ and the index lists of a DistributedSampler-style partition written out by hand.
 """
 
 import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import gradsync.torch as hvd  # noqa: E402
 from gradsync.errors import CollectiveError  # noqa: E402
+from gradsync.run import store  # noqa: E402
 
 pytestmark = pytest.mark.torch
 RANKS = (1, 2, 3)
@@ -125,4 +127,53 @@ def test_run_does_not_retry_a_failed_collective_and_says_so():
 
     with pytest.raises(CollectiveError) as caught:
         train(hvd.elastic.TorchState(epoch=0))
-    assert "restart the job from a checkpoint" in " ".join(caught.value.__notes__)
+    assert "start the job with `python -m gradsync.run`" in " ".join(caught.value.__notes__)
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    """Rank 0's temporary directory as GRADSYNC_ELASTIC_STATE_DIR on every rank, as the driver sets it."""
+    directory = hvd.broadcast_object(str(tmp_path), root_rank=0)
+    monkeypatch.setenv(store.STATE_DIR_ENV, directory)
+    return Path(directory)
+
+
+def test_commit_under_the_driver_writes_the_state_and_run_resumes_from_it(state_dir):
+    state = trained_state(0)
+    state.commit()
+    if hvd.rank() == 0:
+        written = torch.load(state_dir / store.COMMITTED, weights_only=False)
+        assert written["attrs"] == {"epoch": 0, "history": [0]}
+        assert torch.equal(written["handlers"]["model"]["weight"], model_of(0).weight
+                           - 0.1 * torch.ones(2, 1) * torch.ones(1, 3))
+    hvd.barrier()
+    assert [p.name for p in state_dir.iterdir()] == [store.COMMITTED]  # no temporary file left
+    resets = []
+    restarted = trained_state(hvd.rank() + 1)
+    restarted.register_reset_callbacks([lambda: resets.append(restarted.epoch)])
+
+    @hvd.elastic.run
+    def train(state):
+        return state.epoch, [p.detach().clone() for p in state.model.parameters()]
+
+    epoch, parameters = train(restarted)
+    assert (epoch, resets) == (0, [0])
+    assert all(torch.equal(p, c) for p, c in zip(parameters, state.model.parameters()))
+    assert restarted.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_hosts_updated_interrupts_every_rank_at_the_same_commit(state_dir):
+    state = hvd.elastic.TorchState(batch=0)
+    state.commit()
+    if hvd.rank() == 0:
+        (state_dir / store.HOSTS_UPDATED).write_text("localhost:3\n")
+    with pytest.raises(hvd.elastic.HostsUpdatedInterrupt):
+        state.commit()
+
+    @hvd.elastic.run
+    def train(state):
+        state.commit()
+
+    with pytest.raises(SystemExit) as caught:
+        train(state)
+    assert caught.value.code == store.EXIT_HOSTS_UPDATED

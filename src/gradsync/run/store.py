@@ -1,0 +1,82 @@
+"""The state directory shared by the elastic driver and its workers: what lives there and how.
+
+The driver creates the directory and passes it to every worker as ``GRADSYNC_ELASTIC_STATE_DIR``
+(with ``GRADSYNC_ELASTIC_RESTART``, the number of launches before this one). In it:
+
+* ``committed.pt``: the state of the last ``commit()``, written by rank 0 only, atomically (a
+  temporary file in the same directory, then ``os.replace``), so a reader sees the previous commit
+  or the new one, never part of one. A restarted job starts from it.
+* ``hosts_updated``: written by the driver when hosts were added; rank 0 checks for it at each
+  ``commit()`` and every rank then raises ``HostsUpdatedInterrupt`` at that commit.
+* ``failures/rank-<r>.txt``: one line per worker that stopped with an exception (its host and the
+  error), so the driver's log and final error can name the failure.
+
+This module imports neither MPI nor a deep-learning framework: the driver uses it too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+STATE_DIR_ENV = "GRADSYNC_ELASTIC_STATE_DIR"
+RESTART_ENV = "GRADSYNC_ELASTIC_RESTART"
+COMMITTED = "committed.pt"
+HOSTS_UPDATED = "hosts_updated"
+FAILURES = "failures"
+# The exit status of workers that stopped at a commit because hosts were added (EX_TEMPFAIL):
+# the driver relaunches at the new size without counting a failure.
+EXIT_HOSTS_UPDATED = 75
+
+
+def state_dir() -> Path | None:
+    """The directory of ``GRADSYNC_ELASTIC_STATE_DIR``, or None when the job runs without the driver."""
+    path = os.environ.get(STATE_DIR_ENV)
+    return Path(path) if path else None
+
+
+def restart_count() -> int:
+    """``GRADSYNC_ELASTIC_RESTART``: how many launches of this job came before this one (0 without)."""
+    return int(os.environ.get(RESTART_ENV, "0"))
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(temporary path)`` and move the result onto ``path`` with ``os.replace``.
+
+    The temporary file is in ``path``'s directory (so the replace is atomic on POSIX) and is
+    removed if ``write`` raises; the error propagates.
+    """
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    try:
+        write(Path(temporary))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def record_failure(directory: Path, rank: int, error: BaseException) -> None:
+    """Write ``failures/rank-<rank>.txt``: this host, the error's type and first line."""
+    first_line = (str(error).splitlines() or [""])[0]
+    text = f"rank {rank} on {socket.gethostname()}: {type(error).__name__}: {first_line}\n"
+    failures = directory / FAILURES
+    failures.mkdir(exist_ok=True)
+    write_atomically(failures / f"rank-{rank}.txt", lambda path: path.write_text(text))
+
+
+def read_failures(directory: Path) -> list[str]:
+    """The failure lines the workers of the last launch wrote, sorted by rank."""
+    files = sorted((directory / FAILURES).glob("rank-*.txt"),
+                   key=lambda path: int(path.stem.split("-")[1]))
+    return [path.read_text().strip() for path in files]
+
+
+def clear_launch_files(directory: Path) -> None:
+    """Remove the previous launch's failure records and host-update flag (the commit stays)."""
+    for path in (directory / FAILURES).glob("rank-*.txt"):
+        path.unlink()
+    (directory / HOSTS_UPDATED).unlink(missing_ok=True)

@@ -1,0 +1,101 @@
+"""The elastic driver's pieces without MPI: host lists, blacklist, placement, command line, the
+launcher command and the state directory's atomic write. References are written out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gradsync.run import args as cli
+from gradsync.run import hosts, launcher, store
+from gradsync.run.driver import Driver, _hosts_named
+
+
+def test_host_lists_read_horovods_forms():
+    assert hosts.parse_hosts("a:2,b,c:1", slots_per_host=4, separator=",") == {"a": 2, "b": 4, "c": 1}
+    text = "# cluster\na slots=3\nb:2  # spare\n\nb\n"
+    assert hosts.parse_hosts(text, slots_per_host=1) == {"a": 3, "b": 3}
+    with pytest.raises(hosts.HostsError, match="'a:x'"):
+        hosts.parse_hosts("a:x", slots_per_host=1)
+    with pytest.raises(hosts.HostsError, match="has 0 slots"):
+        hosts.parse_host("a:0", slots_per_host=1)
+
+
+def test_discovery_reads_the_scripts_output_and_names_its_failure():
+    assert hosts.discover("printf 'a:2\\nb\\n'", slots_per_host=2) == {"a": 2, "b": 2}
+    with pytest.raises(hosts.HostsError, match="exited with 3: no hosts file"):
+        hosts.discover("echo no hosts file >&2; exit 3", slots_per_host=1)
+
+
+def test_a_host_is_blacklisted_after_failing_launches_in_a_row():
+    blacklist = hosts.Blacklist(limit=2)
+    assert blacklist.record({"a"}, {"a", "b"}) == []
+    assert blacklist.record(set(), {"a", "b"}) == []  # a's count starts over
+    assert blacklist.record({"a"}, {"a", "b"}) == []
+    assert blacklist.record({"a", "b"}, {"a", "b"}) == ["a"]
+    assert blacklist.usable({"a": 2, "b": 1, "c": 4}) == {"b": 1, "c": 4}
+
+
+def test_placement_fills_hosts_in_order_up_to_max_np():
+    assert hosts.place({"a": 2, "b": 2, "c": 2}, 3) == {"a": 2, "b": 1}
+    assert hosts.place({"a": 2}, math.inf) == {"a": 2}
+
+
+def test_command_line_defaults_follow_horovodrun():
+    fixed = cli.parse_args(["-np", "3", "python", "train.py", "--lr", "1"])
+    assert (fixed.min_np, fixed.max_np, fixed.static_hosts) == (3, 3, {"localhost": 3})
+    assert fixed.command == ["python", "train.py", "--lr", "1"]
+    elastic = cli.parse_args(["--min-np", "2", "--host-discovery-script", "d.sh", "--reset-limit", "5",
+                              "python", "t.py"])
+    assert (elastic.min_np, elastic.max_np, elastic.max_restarts) == (2, math.inf, 5)
+    listed = cli.parse_args(["-H", "a:2,b:2", "--max-np", "3", "python", "t.py"])
+    assert (listed.static_hosts, listed.min_np, listed.max_np) == ({"a": 2, "b": 2}, 1, 3)
+
+
+@pytest.mark.parametrize("argv", [["-np", "2"], ["python", "t.py"],
+                                  ["--min-np", "4", "--max-np", "2", "-np", "2", "python"]])
+def test_command_line_errors_exit_with_status_2(argv):
+    with pytest.raises(SystemExit) as caught:
+        cli.parse_args(argv)
+    assert caught.value.code == 2
+
+
+def test_launcher_command_per_mpi():
+    placed = {"a": 2, "b": 1}
+    assert launcher.command("mpiexec", "mpich", placed, ["python", "t.py"]) == [
+        "mpiexec", "-n", "3", "-hosts", "a:2,b:1", "python", "t.py"]
+    assert launcher.command("mpirun", "openmpi", placed, ["python", "t.py"]) == [
+        "mpirun", "-n", "3", "--host", "a:2,b:1", "-x", store.STATE_DIR_ENV, "-x", store.RESTART_ENV,
+        "python", "t.py"]
+
+
+def test_size_of_a_launch(tmp_path):
+    args = cli.parse_args(["-np", "2", "--max-np", "3", "-H", "a:4", "--mpiexec", "true", "python"])
+    driver = Driver(args, tmp_path)
+    assert driver.size_for({"a": 4}) == 2  # -np on the first launch
+    driver.launches = 1
+    assert driver.size_for({"a": 4}) == 3  # then every usable slot, up to --max-np
+
+
+def test_atomic_write_keeps_the_last_whole_file(tmp_path):
+    path = tmp_path / store.COMMITTED
+    store.write_atomically(path, lambda p: p.write_text("commit 1"))
+
+    def broken(p):
+        p.write_text("part of commit 2")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        store.write_atomically(path, broken)
+    assert path.read_text() == "commit 1" and [p.name for p in tmp_path.iterdir()] == [store.COMMITTED]
+
+
+def test_failure_records_name_the_failed_hosts(tmp_path):
+    store.record_failure(tmp_path, 1, RuntimeError("boom\nmore"))
+    (records,) = store.read_failures(tmp_path)
+    assert records.startswith("rank 1 on ") and records.endswith(": RuntimeError: boom")
+    assert _hosts_named([records], {"localhost": 2}) == {"localhost"}
+    assert _hosts_named(["rank 3 on b: ValueError: x"], {"a": 2, "b": 2}) == {"b"}
+    store.clear_launch_files(tmp_path)
+    assert store.read_failures(tmp_path) == []
