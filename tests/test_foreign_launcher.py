@@ -21,7 +21,7 @@ import pytest
 
 from mpi_launch import REPO, WORKERS, reports, run_job, verdicts
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 
 # Open MPI refuses root and more ranks than cores unless told; MPICH ignores these.
 OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

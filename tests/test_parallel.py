@@ -6,6 +6,11 @@ sets ``pytestmark = pytest.mark.torch`` (or ``jax``); its jobs are then marked s
 skip where torch (jax) is not installed. A file's ``VARIANTS`` add jobs with more environment
 variables, at their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py).
 See tests/parallel/conftest.py for what each job guarantees.
+
+The fast suite (``pytest`` without ``--full``, tests/conftest.py) runs each file at its rank counts
+up to 2 (its smallest one when it has none), and of the variants only those of ``FAST_VARIANTS``,
+one job for each setting a variant exists to test, at the same counts. Every other job is marked
+``full``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,19 @@ from mpi_launch import PARALLEL, mpiexec, run_job, run_parallel
 
 DEFAULT_RANKS = (1, 2, 4)
 DEFAULT_VARIANT_RANKS = (2,)
+FAST_MAX_RANKS = 2
+# (file, variant) run by the fast suite: each covers a setting once, on the narrowest selection
+# that has it: no response cache, a cache that evicts, no fusion, a threshold that splits a
+# fusion, the Average divisor of GRADSYNC_JOIN_DIVISOR=contributors, autotune. The other variants
+# repeat these settings on more tests (and run in the full suite).
+FAST_VARIANTS = {
+    ("test_collectives", "no-cache"),
+    ("test_cached_negotiation", "5-entries"),
+    ("test_collectives", "no-fusion"),
+    ("test_ops", "4k-fusion"),
+    ("test_optimizer", "join-by-contributors"),
+    ("test_training", "autotune"),
+}
 
 
 def _module_setting(path: Path, name: str, default):
@@ -46,15 +64,23 @@ class Job:
         return ("-k", self.select) if self.select else ()
 
 
-def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
-    """(id, job) for every rank count of every variant the file declares in ``VARIANTS``."""
+def fast_counts(counts) -> set[int]:
+    """The rank counts of ``counts`` that the fast suite runs: those up to 2, else the smallest."""
+    return {n for n in counts if n <= FAST_MAX_RANKS} or {min(counts)}
+
+
+def _variant_jobs(path: Path) -> list[tuple[str, Job, bool]]:
+    """(id, job, in the fast suite) for every rank count of every variant the file declares in
+    ``VARIANTS``."""
     jobs = []
     for name, variant in _module_setting(path, "VARIANTS", {}).items():
         unknown = set(variant) - {"env", "ranks", "k"}
         assert not unknown and "env" in variant, f"{path.name}: VARIANTS[{name!r}]: {variant}"
-        for n in variant.get("ranks", DEFAULT_VARIANT_RANKS):
+        counts = variant.get("ranks", DEFAULT_VARIANT_RANKS)
+        fast = fast_counts(counts) if (path.stem, name) in FAST_VARIANTS else set()
+        for n in counts:
             job = Job(path, n, dict(variant["env"]), variant.get("k", ""))
-            jobs.append((f"{path.stem}-{name}-{n}", job))
+            jobs.append((f"{path.stem}-{name}-{n}", job, n in fast))
     return jobs
 
 
@@ -64,9 +90,10 @@ def _jobs():
         for framework in ("torch", "jax"):
             if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
                 marks.append(getattr(pytest.mark, framework))
-        plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
-        for job_id, job in plain + _variant_jobs(path):
-            yield pytest.param(job, id=job_id, marks=marks)
+        counts = _module_setting(path, "RANKS", DEFAULT_RANKS)
+        plain = [(f"{path.stem}-{n}", Job(path, n), n in fast_counts(counts)) for n in counts]
+        for job_id, job, fast in plain + _variant_jobs(path):
+            yield pytest.param(job, id=job_id, marks=marks if fast else [*marks, pytest.mark.full])
 
 
 @pytest.mark.parametrize("job", list(_jobs()))
@@ -102,3 +129,11 @@ def test_no_file_of_tests_parallel_has_the_name_of_a_file_of_tests():
     name would break a session that collects both (GRADSYNC_PARALLEL_TESTS=1)."""
     names = {path.name for path in PARALLEL.glob("test_*.py")}
     assert not names & {path.name for path in PARALLEL.parent.glob("test_*.py")}
+
+
+def test_every_fast_variant_is_declared():
+    """A variant renamed or removed must leave FAST_VARIANTS too (or the fast suite silently
+    stops covering its setting)."""
+    declared = {(path.stem, name) for path in PARALLEL.glob("test_*.py")
+                for name in _module_setting(path, "VARIANTS", {})}
+    assert FAST_VARIANTS <= declared, FAST_VARIANTS - declared

@@ -16,7 +16,7 @@ import pytest
 from cluster import right_plugin, sbatch, srun, start_slurm, stop_slurm, wrong_plugins
 from mpi_launch import REPO, WORKERS, assert_trained_like_one_process, flavour, reports, verdicts
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 DOCS = REPO / "docs" / "launching.md"
 
 

@@ -14,7 +14,7 @@ import pytest
 from cluster import run_two_hosts, start_namespaces, stop_namespaces, veth_bytes
 from mpi_launch import assert_trained_like_one_process, verdicts
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 
 
 @pytest.fixture(scope="module", autouse=True)
