@@ -8,8 +8,9 @@ variables, at their own rank counts, on a ``-k`` selection (the format: tests/pa
 See tests/parallel/conftest.py for what each job guarantees.
 
 The fast suite (``pytest`` without ``--full``, tests/conftest.py) runs each file at its rank counts
-up to 2 (its smallest one when it has none), and of the variants only those of ``FAST_VARIANTS``,
-one job for each setting a variant exists to test, at the same counts. Every other job is marked
+up to 2 (its smallest one when it has none), of the variants only those of ``FAST_VARIANTS``,
+one job for each setting a variant exists to test, at the same counts, and the tests that need
+more ranks than 2 on a selection of their own (``FAST_ABOVE_2_RANKS``). Every other job is marked
 ``full``.
 """
 
@@ -39,6 +40,13 @@ FAST_VARIANTS = {
     ("test_ops", "4k-fusion"),
     ("test_optimizer", "join-by-contributors"),
     ("test_training", "autotune"),
+}
+# (file, ranks) -> the ``-k`` selection of its tests that run at no count up to 2: a process set
+# of two ranks that is not every rank, a number of ranks that is not a power of two. The fast
+# suite runs them alone at that count (the full suite runs the whole file there).
+FAST_ABOVE_2_RANKS = {
+    ("test_adasum", 3): "on_a_process_set or not_a_power_of_two",
+    ("test_optimizer", 3): "on_a_process_set_its_first_rank_warns",
 }
 
 
@@ -84,7 +92,10 @@ def _variant_jobs(path: Path) -> list[tuple[str, Job, bool]]:
     return jobs
 
 
-def _jobs():
+def _jobs(full: bool):
+    """A ``pytest.param`` of every job; with ``full``, the jobs of the full suite, else those of
+    the fast suite (the full ones marked ``full``, which tests/conftest.py deselects, and the
+    selections of FAST_ABOVE_2_RANKS)."""
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
         for framework in ("torch", "jax"):
@@ -94,9 +105,16 @@ def _jobs():
         plain = [(f"{path.stem}-{n}", Job(path, n), n in fast_counts(counts)) for n in counts]
         for job_id, job, fast in plain + _variant_jobs(path):
             yield pytest.param(job, id=job_id, marks=marks if fast else [*marks, pytest.mark.full])
+        for (stem, n), select in FAST_ABOVE_2_RANKS.items():
+            if stem == path.stem and not full:
+                yield pytest.param(Job(path, n, select=select), id=f"{stem}-{n}-needing-{n}", marks=marks)
 
 
-@pytest.mark.parametrize("job", list(_jobs()))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.function is test_file_passes_on_every_rank:
+        metafunc.parametrize("job", list(_jobs(metafunc.config.getoption("--full"))))
+
+
 def test_file_passes_on_every_rank(job):
     counts = run_parallel(job.path, job.ranks, *job.pytest_args(), env=job.env,
                           timeout=_module_setting(job.path, "TIMEOUT", 300))
@@ -137,3 +155,5 @@ def test_every_fast_variant_is_declared():
     declared = {(path.stem, name) for path in PARALLEL.glob("test_*.py")
                 for name in _module_setting(path, "VARIANTS", {})}
     assert FAST_VARIANTS <= declared, FAST_VARIANTS - declared
+    files = {path.stem for path in PARALLEL.glob("test_*.py")}
+    assert {stem for stem, _ in FAST_ABOVE_2_RANKS} <= files, FAST_ABOVE_2_RANKS
