@@ -1,4 +1,14 @@
-"""Test-suite wiring: this checkout's src/ first, the ``torch`` and ``jax`` markers, and tests/parallel/.
+"""Test-suite wiring: this checkout's src/ first, the fast and the full suite, the ``torch`` and ``jax``
+markers, and tests/parallel/.
+
+``pytest`` runs the fast suite, which a contributor runs before every commit: every behaviour once,
+at 1 and 2 ranks. ``pytest --full`` also runs the tests marked ``full``: the same behaviours again
+at 3 and 4 ranks and in the variants of tests/parallel/ (tests/test_parallel.py decides which of
+its jobs are full), under a real SLURM (tests/test_slurm.py), on two hosts
+(tests/test_two_hosts.py), and with one MPI's launcher starting the other's Python
+(tests/test_foreign_launcher.py). A test that starts jobs at several rank counts marks the counts
+above 2 ``full``, keeping the smallest one in the fast suite when none is 2 or less (a behaviour
+that needs 3 ranks). Without ``--full`` the full tests are deselected, not skipped.
 
 ``tests/parallel/`` holds multi-rank tests that every rank of an MPI job runs together
 (``mpiexec -n N python -m pytest tests/parallel/test_x.py``; see its conftest). A plain pytest run
@@ -57,6 +67,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="gradsync: also run the tests marked full (3 and 4 ranks, the variants of "
+                          "tests/parallel, SLURM, two hosts, foreign launchers); see tests/conftest.py")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if WITHOUT_TORCH:
         try:
@@ -73,6 +89,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--full"):
+        full = [item for item in items if item.get_closest_marker("full")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]
     for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
                                       ("jax", JAX_INSTALLED, NO_JAX_REASON),
                                       ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON)):

@@ -8,6 +8,7 @@ killed with its whole process group and the test fails with the output so far.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
@@ -116,6 +117,42 @@ def _run_once(cmd: list[str], timeout: float, env: dict[str, str] | None,
         output, errors = proc.communicate()
         pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s timeout; output:\n{output}{errors or ''}")
     return subprocess.CompletedProcess(cmd, proc.returncode, output, errors or "")
+
+
+REPORT_PREFIX = "GRADSYNC_REPORT "  # tests/workers/report.py
+
+
+def reports(output: str, n: int) -> dict[int, dict]:
+    """rank -> the report (tests/workers/report.py) that rank printed in ``output``.
+
+    Fails unless ranks 0 .. n-1 each reported exactly once. A report is found wherever it starts
+    on a line, so a launcher that forwarded another rank's partial line before it does not hide it.
+    """
+    decoder = json.JSONDecoder()
+    found: dict[int, list[dict]] = {}
+    start = output.find(REPORT_PREFIX)
+    while start != -1:
+        values, end = decoder.raw_decode(output, start + len(REPORT_PREFIX))
+        found.setdefault(values["rank"], []).append(values)
+        start = output.find(REPORT_PREFIX, end)
+    assert sorted(found) == list(range(n)) and all(len(v) == 1 for v in found.values()), \
+        f"expected one report from each of ranks 0-{n - 1}, got {found}; output:\n{output}"
+    return {rank: values[0] for rank, values in found.items()}
+
+
+def assert_trained_like_one_process(output: str, n: int, tolerance: float = 1e-5) -> None:
+    """Every one of ``n`` ranks of tests/workers/train_equivalence.py reported a world of ``n``,
+    parameters within ``tolerance`` of single-process training, and the same parameters as the
+    other ranks."""
+    for rank, values in reports(output, n).items():
+        assert values["size"] == n, (rank, values)
+        assert values["worst"] <= tolerance and values["identical"], (rank, values)
+
+
+def verdicts(output: str) -> list[str]:
+    """The verdict lines of ``python -m gradsync.check``'s output (``PASS``, ``FAIL: <reason>``), in
+    order: a job whose ranks all pass has exactly one, ``["PASS"]``, printed by rank 0."""
+    return [line.strip() for line in output.splitlines() if line.strip() == "PASS" or line.startswith("FAIL: ")]
 
 
 PARALLEL = Path(__file__).parent / "parallel"

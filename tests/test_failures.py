@@ -112,7 +112,7 @@ SCENARIOS = {  # name: (mode, victim (-1: the last rank), when, hide the death f
 }
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.full)])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_lost_rank_fails_every_survivor_within_the_timeout(scenario, ranks):
     _needs_a_launcher_that_leaves_survivors()
@@ -145,7 +145,7 @@ def test_open_mpi_ends_the_job_itself_when_a_rank_dies():
     assert "COMPLETED" not in out, out
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_a_failed_coordinator_thread_is_raised_here_and_stops_the_others_at_once(ranks):
     rc, out, _, errors = run_fault(ranks, "coordinator", 1, "steps")
     # On the failing rank: its pending call and the next one raise the coordinator's exception.

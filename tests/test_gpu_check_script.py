@@ -131,6 +131,9 @@ def base_venv_with_torch_and_cupy() -> Path:
     return python
 
 
+# Full suite only: it downloads and installs from the package index (about 100 s on 2 cores); the
+# offline install below runs the same script's install step in the fast suite.
+@pytest.mark.full
 def test_on_a_cpu_machine_it_installs_only_what_is_missing_then_stops_with_no_gpu(tmp_path):
     python = base_venv_with_torch_and_cupy()
     result, summary = run_script(tmp_path, str(python), tmp_path / "no-wheelhouse")

@@ -14,7 +14,7 @@ from mpi_launch import run_mpi
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("ranks", [3, pytest.param(4, marks=pytest.mark.full)])
 def test_hierarchical_allreduce_equals_the_flat_one_on_one_host(ranks):
     out = run_mpi("hierarchical_check.py", ranks, timeout=120,
                   env={"GRADSYNC_HIERARCHICAL_ALLREDUCE": "1"}).stdout

@@ -2,10 +2,19 @@
 
 A file declares the rank counts it runs at in a module-level ``RANKS = (1, 2, 4)`` (the default)
 and, when it needs more than the default 300 s, ``TIMEOUT = <seconds>``. A file that needs torch
-sets ``pytestmark = pytest.mark.torch`` (or ``jax``, or a list with ``lightning``); its jobs are then marked so here too, so they
+sets ``pytestmark = pytest.mark.torch`` (or ``jax``); its jobs are then marked so here too, so they
 skip where torch (jax) is not installed. A file's ``VARIANTS`` add jobs with more environment
 variables, at their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py).
 See tests/parallel/conftest.py for what each job guarantees.
+
+The full suite (``pytest --full``, tests/conftest.py) runs each file as a job of its own at each of
+its rank counts, and again in each of its variants. The fast suite (``pytest``) runs every file at
+its rank counts up to 2 (its smallest one when it has none), the files of one framework (numpy,
+torch, jax) together in one session per rank count, so that a job's start-up (MPI, imports) is
+paid once and not once per file; of the variants only those of ``FAST_VARIANTS``, one job for each
+setting a variant exists to test; and the tests that need more than 2 ranks on a selection of
+their own (``FAST_ABOVE_2_RANKS``). In the full suite the jobs that the fast suite does not run
+(3 and 4 ranks, the other variants) are marked ``full``.
 """
 
 from __future__ import annotations
@@ -22,6 +31,26 @@ from mpi_launch import PARALLEL, mpiexec, run_job, run_parallel
 
 DEFAULT_RANKS = (1, 2, 4)
 DEFAULT_VARIANT_RANKS = (2,)
+FAST_MAX_RANKS = 2
+# (file, variant) run by the fast suite: each covers a setting once, on the narrowest selection
+# that has it: no response cache, a cache that evicts, no fusion, a threshold that splits a
+# fusion, the Average divisor of GRADSYNC_JOIN_DIVISOR=contributors, autotune. The other variants
+# repeat these settings on more tests (and run in the full suite).
+FAST_VARIANTS = {
+    ("test_collectives", "no-cache"),
+    ("test_cached_negotiation", "5-entries"),
+    ("test_collectives", "no-fusion"),
+    ("test_ops", "4k-fusion"),
+    ("test_optimizer", "join-by-contributors"),
+    ("test_training", "autotune"),
+}
+# (file, ranks) -> the ``-k`` selection of its tests that run at no count up to 2: a process set
+# of two ranks that is not every rank, a number of ranks that is not a power of two. The fast
+# suite runs them alone at that count (the full suite runs the whole file there).
+FAST_ABOVE_2_RANKS = {
+    ("test_adasum", 3): "on_a_process_set or not_a_power_of_two",
+    ("test_optimizer", 3): "on_a_process_set_its_first_rank_warns",
+}
 
 
 def _module_setting(path: Path, name: str, default):
@@ -34,46 +63,102 @@ def _module_setting(path: Path, name: str, default):
 
 @dataclass(frozen=True)
 class Job:
-    """One MPI job: a file of tests/parallel/ at ``ranks`` ranks, with ``env`` added to the
-    environment, running the tests that ``-k select`` picks (all when empty)."""
+    """One MPI job: the files ``paths`` of tests/parallel/ in one pytest session at ``ranks`` ranks,
+    with ``env`` added to the environment, running the tests that ``-k select`` picks (all when
+    empty)."""
 
-    path: Path
+    paths: tuple[Path, ...]
     ranks: int
     env: dict[str, str] = field(default_factory=dict)
     select: str = ""
 
     def pytest_args(self) -> tuple[str, ...]:
-        return ("-k", self.select) if self.select else ()
+        """The arguments after the first file: the other files, and the selection."""
+        return (*map(str, self.paths[1:]), *(("-k", self.select) if self.select else ()))
+
+    def timeout(self) -> float:
+        """Seconds the job may run: its files' ``TIMEOUT`` (300 by default), the longest one and
+        30 s for each further file."""
+        timeouts = [_module_setting(path, "TIMEOUT", 300) for path in self.paths]
+        return max(timeouts) + 30 * (len(timeouts) - 1)
 
 
-def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
-    """(id, job) for every rank count of every variant the file declares in ``VARIANTS``."""
+def _framework(path: Path) -> str:
+    """'torch' or 'jax' for a file whose ``pytestmark`` marks it so; else 'numpy'."""
+    for framework in ("torch", "jax"):
+        if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
+            return framework
+    return "numpy"
+
+
+def _marks(framework: str) -> list:
+    return [pytest.mark.mpi] + ([getattr(pytest.mark, framework)] if framework != "numpy" else [])
+
+
+def fast_counts(counts) -> set[int]:
+    """The rank counts of ``counts`` that the fast suite runs: those up to 2, else the smallest."""
+    return {n for n in counts if n <= FAST_MAX_RANKS} or {min(counts)}
+
+
+def _variant_jobs(path: Path) -> list[tuple[str, Job, bool]]:
+    """(id, job, in the fast suite) for every rank count of every variant the file declares in
+    ``VARIANTS``."""
     jobs = []
     for name, variant in _module_setting(path, "VARIANTS", {}).items():
         unknown = set(variant) - {"env", "ranks", "k"}
         assert not unknown and "env" in variant, f"{path.name}: VARIANTS[{name!r}]: {variant}"
-        for n in variant.get("ranks", DEFAULT_VARIANT_RANKS):
-            job = Job(path, n, dict(variant["env"]), variant.get("k", ""))
-            jobs.append((f"{path.stem}-{name}-{n}", job))
+        counts = variant.get("ranks", DEFAULT_VARIANT_RANKS)
+        fast = fast_counts(counts) if (path.stem, name) in FAST_VARIANTS else set()
+        for n in counts:
+            job = Job((path,), n, dict(variant["env"]), variant.get("k", ""))
+            jobs.append((f"{path.stem}-{name}-{n}", job, n in fast))
     return jobs
 
 
-def _jobs():
+def _full_jobs():
+    """Every file at each of its rank counts, and every variant, each a job of its own; those
+    that the fast suite runs too (in its own way) unmarked, the others marked ``full``."""
     for path in sorted(PARALLEL.glob("test_*.py")):
-        marks = [pytest.mark.mpi]
-        for framework in ("torch", "jax", "lightning"):
-            if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
-                marks.append(getattr(pytest.mark, framework))
-        plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
-        for job_id, job in plain + _variant_jobs(path):
-            yield pytest.param(job, id=job_id, marks=marks)
+        marks = _marks(_framework(path))
+        counts = _module_setting(path, "RANKS", DEFAULT_RANKS)
+        plain = [(f"{path.stem}-{n}", Job((path,), n), n in fast_counts(counts)) for n in counts]
+        for job_id, job, fast in plain + _variant_jobs(path):
+            yield pytest.param(job, id=job_id, marks=marks if fast else [*marks, pytest.mark.full])
 
 
-@pytest.mark.parametrize("job", list(_jobs()))
+def _fast_jobs():
+    """At each rank count up to 2 (a file's smallest count, when it has none up to 2), one job
+    per framework running all the files of that framework that declare the count, in one session:
+    one start-up instead of one per file; then the variants of FAST_VARIANTS and the selections of
+    FAST_ABOVE_2_RANKS, each a job of its own."""
+    groups: dict[tuple[str, int], list[Path]] = {}
+    for path in sorted(PARALLEL.glob("test_*.py")):
+        for n in sorted(fast_counts(_module_setting(path, "RANKS", DEFAULT_RANKS))):
+            groups.setdefault((_framework(path), n), []).append(path)
+    for (framework, n), paths in sorted(groups.items()):
+        yield pytest.param(Job(tuple(paths), n), id=f"{framework}-files-{n}", marks=_marks(framework))
+    for path in sorted(PARALLEL.glob("test_*.py")):
+        marks = _marks(_framework(path))
+        for job_id, job, fast in _variant_jobs(path):
+            if fast:
+                yield pytest.param(job, id=job_id, marks=marks)
+        for (stem, n), select in FAST_ABOVE_2_RANKS.items():
+            if stem == path.stem:
+                yield pytest.param(Job((path,), n, select=select), id=f"{stem}-{n}-needing-{n}", marks=marks)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.function is test_file_passes_on_every_rank:
+        jobs = _full_jobs() if metafunc.config.getoption("--full") else _fast_jobs()
+        metafunc.parametrize("job", [pytest.param(*p.values, id=p.id,
+                                                  marks=[*p.marks, pytest.mark.timeout(p.values[0].timeout() + 60)])
+                                     for p in jobs])
+
+
 def test_file_passes_on_every_rank(job):
-    counts = run_parallel(job.path, job.ranks, *job.pytest_args(), env=job.env,
-                          timeout=_module_setting(job.path, "TIMEOUT", 300))
-    assert counts[0]["passed"] > 0, f"{job.path.name} at {job.ranks} ranks ran no test: {counts[0]}"
+    counts = run_parallel(job.paths[0], job.ranks, *job.pytest_args(), env=job.env, timeout=job.timeout())
+    names = ", ".join(path.name for path in job.paths)
+    assert counts[0]["passed"] > 0, f"{names} at {job.ranks} ranks ran no test: {counts[0]}"
 
 
 SELFTEST = PARALLEL / "selftest" / "harness_cases.py"
@@ -102,3 +187,13 @@ def test_no_file_of_tests_parallel_has_the_name_of_a_file_of_tests():
     name would break a session that collects both (GRADSYNC_PARALLEL_TESTS=1)."""
     names = {path.name for path in PARALLEL.glob("test_*.py")}
     assert not names & {path.name for path in PARALLEL.parent.glob("test_*.py")}
+
+
+def test_every_fast_variant_is_declared():
+    """A variant renamed or removed must leave FAST_VARIANTS too (or the fast suite silently
+    stops covering its setting)."""
+    declared = {(path.stem, name) for path in PARALLEL.glob("test_*.py")
+                for name in _module_setting(path, "VARIANTS", {})}
+    assert FAST_VARIANTS <= declared, FAST_VARIANTS - declared
+    files = {path.stem for path in PARALLEL.glob("test_*.py")}
+    assert {stem for stem, _ in FAST_ABOVE_2_RANKS} <= files, FAST_ABOVE_2_RANKS

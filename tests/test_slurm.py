@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from cluster import right_plugin, sbatch, srun, start_slurm, stop_slurm, wrong_plugins
-from mpi_launch import REPO, WORKERS, flavour
+from mpi_launch import REPO, WORKERS, assert_trained_like_one_process, flavour, reports, verdicts
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 DOCS = REPO / "docs" / "launching.md"
 
 
@@ -47,8 +47,7 @@ def test_srun_ranks_and_local_ranks_are_slurms_task_ids():
 
 @pytest.mark.torch
 def test_srun_training_equals_single_process_training():
-    out = srun(right_plugin(), 2, "train_equivalence.py", timeout=180).stdout
-    assert out.count("EQUIVALENT") == 2, out
+    assert_trained_like_one_process(srun(right_plugin(), 2, "train_equivalence.py", timeout=180).stdout, 2)
 
 
 @pytest.mark.parametrize("plugin", ["pmi2", "pmix", "none"])
@@ -56,15 +55,14 @@ def test_a_wrong_plugin_stops_init_with_the_mismatch_and_the_fix(plugin):
     if plugin not in wrong_plugins():
         pytest.skip(f"--mpi={plugin} is the right plugin for {flavour()}")
     result = srun(plugin, 2, "init_only.py", check=False)
-    errors = [line for line in result.stdout.splitlines() if line.startswith("GradsyncError: ")]
-    assert result.returncode != 0 and len(errors) == 2, result.stdout
+    errors = [r["error"] for r in reports(result.stdout, 2).values()]
+    assert result.returncode != 0 and all(errors), result.stdout
     launcher = f"srun --mpi={plugin}" if plugin != "none" else "srun without a PMI plugin (--mpi=none)"
     assert f"{launcher} started 2 processes" in errors[0], errors[0]
     # A plugin of the wrong interface is found before MPI_Init; without one, from the world size.
     found = "cannot join them" if plugin != "none" else "sees a world of 1 in each: every process would train alone"
     assert found in errors[0], errors[0]
     assert f"Start it with `srun --mpi={right_plugin()}`" in errors[0]
-    assert "initialised" not in result.stdout
     assert "Runtime environment uses unsupported PMI version" not in result.stdout, result.stdout
 
 
@@ -72,7 +70,7 @@ def test_the_self_check_passes_under_srun():
     out = srun(right_plugin(), 2, "-m", "gradsync.check", timeout=120).stdout
     assert f"launcher       srun --mpi={right_plugin()}, started 2 processes; MPI world size 2" in out
     assert "ranks 0-1, local_rank 0-1 of 2, cross_rank 0" in out
-    assert out.count("PASS") == 1, out
+    assert verdicts(out) == ["PASS"], out
 
 
 @pytest.mark.parametrize("plugin", ["pmi2", "pmix", "none"])
@@ -108,4 +106,4 @@ def test_the_sbatch_script_from_the_docs_trains_like_a_single_process(tmp_path: 
     text = output.read_text() if output.exists() else f"(no {output.name})"
     assert record.get("JobState") == "COMPLETED" and record.get("ExitCode") == "0:0", \
         f"{record}\n{text}"
-    assert text.count("EQUIVALENT") == 2, text
+    assert_trained_like_one_process(text, 2)

@@ -59,7 +59,7 @@ def test_heartbeat_only_when_the_inspector_is_on():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.full)])
 @pytest.mark.parametrize("cache", ["1024", "0"])
 def test_stall_warns_then_shuts_down_every_rank(ranks, cache):
     env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3",

@@ -12,8 +12,9 @@ import re
 import pytest
 
 from cluster import run_two_hosts, start_namespaces, stop_namespaces, veth_bytes
+from mpi_launch import assert_trained_like_one_process, verdicts
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +45,7 @@ def test_ranks_on_different_hosts_get_their_local_and_cross_ranks(per_host, expe
 @pytest.mark.torch
 def test_training_over_tcp_equals_single_process_training():
     before = veth_bytes()
-    out = run_two_hosts(1, "train_equivalence.py").stdout
-    assert out.count("EQUIVALENT") == 2, out
+    assert_trained_like_one_process(run_two_hosts(1, "train_equivalence.py").stdout, 2)
     # The gradients really crossed the veth link (not some shared-memory shortcut between the
     # namespaces): 6 steps of a 1.6k-parameter model's float32 gradients, at the very least.
     assert veth_bytes() - before > 6 * 1_600 * 4, "no traffic between the hosts"
@@ -65,7 +65,7 @@ def test_hierarchical_allreduce_equals_the_flat_one_on_two_hosts_of_two_ranks():
 def test_hierarchical_training_on_two_hosts_equals_single_process_training():
     out = run_two_hosts(2, "train_equivalence.py",
                         env={"GRADSYNC_HIERARCHICAL_ALLREDUCE": "1"}).stdout
-    assert out.count("EQUIVALENT") == 4, out
+    assert_trained_like_one_process(out, 4)
 
 
 def test_the_self_check_reports_both_hosts_and_passes():
@@ -73,4 +73,4 @@ def test_the_self_check_reports_both_hosts_and_passes():
     assert "hosts          2 host(s), 2 rank(s)" in out, out
     assert "gsA  ranks 0, local_rank 0 of 1, cross_rank 0" in out
     assert "gsB  ranks 1, local_rank 0 of 1, cross_rank 1" in out
-    assert out.count("PASS") == 1, out
+    assert verdicts(out) == ["PASS"], out

@@ -6,12 +6,13 @@ suite are run::
     mpiexec -n 2 python -m pytest tests/parallel/test_ops.py
     mpiexec -n 4 python -m pytest "tests/parallel/test_ops.py::test_allreduce_leaves_its_input_alone[int8-Max]"
     mpiexec -n 2 python -m pytest tests/parallel/test_ops.py -k "broadcast and root1"
-    mpiexec -n 2 python -m pytest tests/parallel  # every file in one session (about 10 s)
+    mpiexec -n 2 python -m pytest tests/parallel/test_ops.py tests/parallel/test_metrics.py  # one session
 
 ``tests/test_parallel.py`` does this for every file here, at the rank counts the file declares in a
 module-level ``RANKS = (1, 2, 4)`` (the default), each job under a timeout (``TIMEOUT = 300``
-seconds, the default). Outside a launcher (a plain ``pytest`` of the whole suite) this directory
-is not collected: see ``tests/conftest.py``.
+seconds, the default): with ``pytest --full`` each file in a job of its own, in the fast suite the
+files of one framework together, in one session per rank count up to 2. Outside a launcher (a
+plain ``pytest`` of the whole suite) this directory is not collected: see ``tests/conftest.py``.
 
 A file may also declare *variants*: the same file again, as extra jobs, with more environment
 variables (read by ``gradsync.init()``), at other rank counts, on a ``-k`` selection of its

@@ -230,6 +230,16 @@ def beside_a_joined_rank(joined: int, op) -> Joined:
     return Joined(result, last)
 
 
+def assert_unnamed_ops_pair_up(rank: int, size: int, wrap=np.asarray) -> None:
+    """Three unnamed Sum allreduces of ``wrap(float64 array)`` (a framework's tensor) and an unnamed
+    broadcast_object give every rank the reductions of the same ops of the other ranks: were the
+    automatic names shifted on one rank, they would pair wrongly or stall (a StallError)."""
+    for i in range(3):
+        out = gradsync.allreduce(wrap(np.full(2, float(rank + i))), op=Sum)
+        assert_array(np.asarray(out), np.full(2, float(sum(r + i for r in range(size)))))
+    assert gradsync.broadcast_object({"from": rank}, root_rank=0) == {"from": 0}
+
+
 def to_torch(a: np.ndarray):
     """A torch tensor holding a copy of ``a`` (bfloat16 through int16)."""
     import torch

@@ -10,6 +10,7 @@ from reference import (
     WORLD_SIZE,
     all_inputs,
     assert_array,
+    assert_unnamed_ops_pair_up,
     dtype_op_params,
     reference_allreduce,
     to_numpy,
@@ -111,3 +112,13 @@ def test_a_metric_update_with_a_tensor_that_requires_grad_is_a_type_error():
 
 def test_average_scalars_of_torch_scalars(case, rank, size):
     assert metrics.average_scalars({"loss": torch.tensor(2.0 * rank)}, name=case) == {"loss": float(size - 1)}
+
+
+def test_a_torch_tensor_rejected_on_one_rank_takes_no_name(rank, size):
+    """A sparse tensor rejected on rank 0 only, before naming: the next unnamed ops of every rank
+    still pair up (test_beside_user_code.py: the same for numpy arrays)."""
+    if rank == 0:
+        with pytest.raises(TypeError, match="sparse_coo") as caught:
+            gs.allreduce(torch.eye(3).to_sparse())
+        assert "sparse_as_dense=True" in str(caught.value), caught.value
+    assert_unnamed_ops_pair_up(rank, size, wrap=torch.from_numpy)

@@ -4,8 +4,8 @@ Every rank also trains the single-process reference itself (same seed, whole glo
 :func:`train` returns how far its parameters are from the reference's, whether every rank holds
 exactly the same parameters (an allgather compared bit for bit), and the names of the gradient
 responses of each step. tests/parallel/test_training.py checks these; run as a script (the
-launch tests: srun, two hosts, autotune) it checks them itself and every rank prints
-``rank R: EQUIVALENT``. With --num-groups N it also checks that every step's gradients moved in
+launch tests: srun, two hosts) it checks them itself and every rank reports (tests/workers/report.py)
+its ``rank``, ``size``, ``worst`` difference and whether the ranks are ``identical``. With --num-groups N it also checks that every step's gradients moved in
 exactly N grouped responses (one per reduction group).
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from report import report
 
 import gradsync
 
@@ -123,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     gradsync.init()
-    rank = gradsync.rank()
+    rank, size = gradsync.rank(), gradsync.size()
     outcome = train(Settings(args.steps, args.optimizer, args.passes, args.batch, args.num_groups))
     print(f"rank {rank}: max |param - single-process param| = {outcome.worst:.3g}; identical on all ranks: "
           f"{outcome.identical}", flush=True)
@@ -136,7 +137,7 @@ def main() -> None:
                 name.startswith("grad.group.") for names in grads for name in names), grads
             assert sum(len(names) for names in grads) == outcome.trained, grads
     gradsync.shutdown()
-    print(f"rank {rank}: EQUIVALENT", flush=True)
+    report(rank=rank, size=size, worst=outcome.worst, identical=outcome.identical)
 
 
 if __name__ == "__main__":
