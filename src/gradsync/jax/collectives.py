@@ -6,10 +6,13 @@ collective of the core (:mod:`gradsync.ops`), negotiated and fused as any other.
 
 * **Outside jit** the leaves go to the core as read-only host views (no copy on the CPU, see
   :mod:`gradsync.jax.array`); the ``*_async`` forms return a :class:`JaxHandle`.
-* **Inside jit** (and ``lax.scan``/``cond``/``while_loop``) the blocking forms put one
-  ``jax.experimental.io_callback(..., ordered=True)`` into the program for the whole pytree. XLA
-  runs it in program order, after the computations dispatched before it, on every rank alike; the
-  host function submits the leaves to the core, waits, and hands the results back to XLA.
+* **Inside jit** (and ``lax.scan``/``cond``/``while_loop``) the blocking forms put one call into
+  the program for the whole pytree, the same on every rank. Allreduces on the CPU: an in-place
+  XLA custom call (:mod:`gradsync.jax.xla_ffi`) whose handler has the core reduce the leaves in
+  XLA's own buffers, no copy in or out. The others: a
+  ``jax.experimental.io_callback(..., ordered=True)``, which XLA runs in program order; the host
+  function submits the leaves to the core, waits, and hands the results back to XLA (a copy).
+  Either way the waiting thread runs the coordinator's cycle itself when it is idle.
 
 **Names.** A leaf of a named op is named ``<name><path>``, its key path in the pytree
 (``"grads['w1']"``; a bare array: ``name`` itself). Unnamed ops outside jit are numbered by the
@@ -333,8 +336,8 @@ def allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Averag
               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allreduce_async`: returns the pytree of reduced (new) jax arrays.
 
-    Works inside ``jax.jit`` too (one ordered io_callback for the whole pytree; see the module
-    docstring), but not under ``vmap``, ``pmap``, ``shard_map`` or differentiation (TypeError).
+    Works inside ``jax.jit`` too (one in-place XLA custom call for the whole pytree; see the
+    module docstring), but not under ``vmap``, ``pmap``, ``shard_map`` or differentiation (TypeError).
     """
     spec = _Allreduce(_op(op, "allreduce"), prescale_factor, postscale_factor, process_set)
     return _run(spec, tree, name)

@@ -22,7 +22,7 @@ def DistributedOptimizer(tx: Any, op: ReduceOp = ReduceOp.Average, name: str = "
     unit (:func:`gradsync.jax.grouped_allreduce`: one negotiation, one fused buffer per dtype) and
     passes the result to ``tx.update``, compiled (``jax.jit(tx.update)``, so a call outside jit
     does not run the wrapped update op by op; extra args must then be arrays or pytrees of them).
-    It works outside ``jax.jit`` and inside it (an ordered io_callback, the same on every rank),
+    It works outside ``jax.jit`` and inside it (an in-place XLA custom call, the same on every rank),
     inside ``lax.cond``/``scan`` and under
     ``optax.MultiSteps`` (gradient accumulation: only the k-th micro-step communicates). Every
     rank must call it the same number of times. ``init`` is ``tx.init``: give every rank the same
