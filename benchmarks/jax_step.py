@@ -186,15 +186,17 @@ def measure(mode: str, update: str, model: str, steps: int, warmup: int, batch: 
 
     sizes = MODELS[model][0]
     step, params, state, x, y, rank = setup(mode, update, sizes, batch)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         params, state = step(params, state, x, y)
         jax.block_until_ready(params)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     if rank == 0:
-        print(f"median_step_us={statistics.median(times) * 1e6:.1f}", flush=True)
+        print(f"median_step_us={statistics.median(times) * 1e6:.1f} "
+              f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
 
 
 def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
@@ -215,9 +217,9 @@ def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
     return rows
 
 
-def launch(mode: str, update: str, processes: int, args, env: dict) -> float:
-    """The median step (us) of one configuration; ``processes < 0``: that many single processes at
-    once, their mean."""
+def launch(mode: str, update: str, processes: int, args, env: dict) -> tuple[float, float]:
+    """The median step and its CPU time (us, rank 0's process, all its threads) of one
+    configuration; ``processes < 0``: that many single processes at once, their means."""
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--update", update, "--model",
            args.model, "--steps", str(args.steps), "--batch", str(args.batch)]
     if processes > 1:
@@ -230,8 +232,8 @@ def launch(mode: str, update: str, processes: int, args, env: dict) -> float:
         line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
         if not line:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err}")
-        values.append(float(line[0].split("=")[1]))
-    return statistics.mean(values)
+        values.append([float(field.split("=")[1]) for field in line[0].split()])
+    return statistics.mean(v[0] for v in values), statistics.mean(v[1] for v in values)
 
 
 def compare(args) -> None:
@@ -239,22 +241,29 @@ def compare(args) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", XLA_FLAGS=XLA_ONE_THREAD)
     rows = configs(args.ranks)
     results: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
     for repeat in range(args.repeats):
         for label, mode, update, processes, _ in rows:
             env["GLOO_PORT"] = str(12734 + repeat)
-            results[label].append(launch(mode, update, processes, args, env))
-    median = {label: statistics.median(v) for label, v in results.items()}
-    base = {"alone": median[rows[0][0]], "floor": median[rows[1][0]]}
+            step, step_cpu = launch(mode, update, processes, args, env)
+            results[label].append(step)
+            cpu[label].append(step_cpu)
     print(f"\n{args.model} MLP, batch {args.batch} per rank, XLA on one thread per process, median of "
           f"{args.repeats} launches x {args.steps} steps; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'configuration':40s} {'step ms':>8s} {'ratio':>12s}   each launch, ms")
+    print(f"{'configuration':40s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   "
+          "each launch, ms")
     table = []
     for label, *_, against in rows:
-        ratio = f"{median[label] / base[against]:.2f}x {against}" if against else ""
-        launches = " ".join(f"{v / 1e3:.2f}" for v in results[label])
-        print(f"{label:40s} {median[label] / 1e3:8.2f} {ratio:>12s}   {launches}")
-        table.append({"configuration": label, "model": args.model, "batch": args.batch,
-                      "step_ms": round(median[label] / 1e3, 2), "ratio": ratio, "launches": launches})
+        row = {"configuration": label, "model": args.model, "batch": args.batch}
+        for what, values in (("step", results), ("cpu", cpu)):
+            median = {key: statistics.median(v) for key, v in values.items()}
+            base = {"alone": median[rows[0][0]], "floor": median[rows[1][0]]}
+            row[f"{what}_ms"] = round(median[label] / 1e3, 2)
+            row[f"{what}_ratio"] = f"{median[label] / base[against]:.2f}x {against}" if against else ""
+        row["launches"] = " ".join(f"{v / 1e3:.2f}" for v in results[label])
+        print(f"{label:40s} {row['step_ms']:8.2f} {row['step_ratio']:>12s} {row['cpu_ms']:7.2f} "
+              f"{row['cpu_ratio']:>12s}   {row['launches']}")
+        table.append(row)
     if args.csv:
         sys.path.insert(0, HERE)
         import benchenv
