@@ -1,24 +1,31 @@
-"""JAX training-step time: one process vs gradsync.jax on N ranks, on the model of
-examples/train_digits_jax.py (Linear(64, 128) + ReLU + Linear(128, 10), SGD with momentum).
+"""JAX training-step time: one process, the floor of N at once, gradsync.jax, mpi4jax and jax's own
+multi-process collectives (jax.distributed with gloo), on the same jitted MLP step.
 
-Run one configuration per launch (the driver below interleaves them):
+Models (``--model``): ``digits``, the MLP of examples/train_digits_jax.py (64-128-10, 9.5 k
+parameters, default batch 32 per rank), and ``wide``, 784-1024-1024-10 (1.86 M parameters, 7.4 MB of
+float32 gradients, default batch 256 per rank). A step computes the gradients, averages them across
+ranks, runs SGD with momentum and applies the update, ending with ``jax.block_until_ready``. Every
+process runs XLA on one thread (``XLA_FLAGS`` below), one process per core.
 
-    python benchmarks/jax_step.py --mode single [--update jit|host]
-    python benchmarks/jax_step.py --mode callback        # one process, an identity io_callback
-    mpiexec -n 2 python benchmarks/jax_step.py --mode gradsync [--update jit|host]
+All configurations, interleaved, with a table of medians at the end (and a CSV file):
 
-or all of them, interleaved, with a table at the end (and its numbers in a CSV file):
+    python benchmarks/jax_step.py --compare --model wide --ranks 2 --repeats 2 [--csv PATH]
 
-    python benchmarks/jax_step.py --compare --ranks 2 --repeats 3 [--batch 32] [--csv PATH]
+One configuration per launch:
 
-A step is the example's: gradients, the optimizer's update and the parameter update, ending with
-``jax.block_until_ready`` on the parameters. ``--update jit`` runs all of it in one ``jax.jit``
-(gradsync's allreduce then runs in an ordered io_callback); ``--update host`` jits the gradients and
-the parameter update and calls the optimizer's update between them, outside jit (the update itself
-compiled, as DistributedOptimizer compiles the update it wraps). ``single`` uses plain optax; ``callback`` adds to the jitted step an ordered ``io_callback`` that returns the
-gradients unchanged, which is the cost of leaving the compiled program once per step, whatever the
-callback does. Batch ``--batch`` per rank (default 32, the example's), random inputs. Prints the
-median step time in microseconds.
+    python benchmarks/jax_step.py --mode single --model wide
+    mpiexec -n 2 python benchmarks/jax_step.py --mode gradsync --update jit|host --model wide
+    mpiexec -n 2 python benchmarks/jax_step.py --mode mpi4jax --model wide     # if installed
+    mpiexec -n 2 python benchmarks/jax_step.py --mode gloo --model wide        # jax.distributed
+
+``--update jit`` compiles the whole step (gradsync's allreduce then runs as an in-place XLA custom
+call); ``--update host`` compiles the gradients and the parameter update and calls the optimizer's
+update between them, outside jit. ``mpi4jax`` calls ``mpi4jax.allreduce`` (Sum) on each gradient
+leaf inside the jitted step and divides by the number of ranks; ``gloo`` runs the step in
+``jax.shard_map`` over one CPU device per process with ``lax.pmean`` of the gradients
+(``jax_cpu_collectives_implementation=gloo``). The floor is ``--ranks`` single processes started at
+the same time: the cores share memory bandwidth, so that, not one process alone, is the best an
+N-rank step can do on one machine. Prints the median step time in microseconds.
 """
 
 from __future__ import annotations
@@ -31,33 +38,132 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+MODELS = {"digits": ((64, 128, 10), 32), "wide": ((784, 1024, 1024, 10), 256)}  # sizes, batch
 
 
-def identity_callback_tx(tx):
-    """``tx`` whose update first sends the gradients through an identity ordered io_callback."""
+def init_params(sizes, key):
+    """One {"w", "b"} per layer, initialised as torch.nn.Linear does."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
+
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        key, k_w, k_b = jax.random.split(key, 3)
+        bound = 1.0 / np.sqrt(fan_in)
+        layers.append({"w": jax.random.uniform(k_w, (fan_in, fan_out), jnp.float32, -bound, bound),
+                       "b": jax.random.uniform(k_b, (fan_out,), jnp.float32, -bound, bound)})
+    return layers
+
+
+def loss_fn(params, x, y):
+    """Mean cross-entropy of the ReLU MLP ``params`` on the batch."""
+    import jax
     import optax
-    from jax.experimental import io_callback
+
+    h = x
+    for layer in params[:-1]:
+        h = jax.nn.relu(h @ layer["w"] + layer["b"])
+    logits = h @ params[-1]["w"] + params[-1]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def mpi4jax_tx(tx):
+    """``tx`` whose update first averages the gradients with ``mpi4jax.allreduce`` (inside jit)."""
+    import jax
+    import mpi4jax
+    import optax
+    from mpi4py import MPI
+
+    size = MPI.COMM_WORLD.Get_size()
+
+    def average(g):
+        out = mpi4jax.allreduce(g, op=MPI.SUM, comm=MPI.COMM_WORLD)
+        return (out[0] if isinstance(out, tuple) else out) / size  # mpi4jax < 0.5 returns a token too
 
     def update(grads, state, params=None):
-        leaves, tree = jax.tree_util.tree_flatten(grads)
-        shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-        leaves = io_callback(lambda *a: [np.asarray(v) for v in a], shapes, *leaves, ordered=True)
-        return tx.update(jax.tree_util.tree_unflatten(tree, leaves), state, params)
+        return tx.update(jax.tree_util.tree_map(average, grads), state, params)
 
     return optax.GradientTransformation(tx.init, update)
 
 
-def measure(mode: str, update: str, steps: int, warmup: int, batch: int) -> None:
+def make_step(tx, update: str):
+    """``step(params, state, x, y) -> (params, state)``; see the module docstring."""
+    import jax
+    import optax
+
+    def whole(params, state, x, y):
+        updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    if update == "jit":
+        return jax.jit(whole)
+    grad, apply = jax.jit(jax.grad(loss_fn)), jax.jit(optax.apply_updates)
+
+    def host(params, state, x, y):
+        updates, state = tx.update(grad(params, x, y), state, params)
+        return apply(params, updates), state
+
+    return host
+
+
+def launcher_rank() -> tuple[int, int]:
+    """(rank, size) from the MPI launcher's environment (MPICH/Hydra, Open MPI), without MPI."""
+    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank in os.environ:
+            return int(os.environ[rank]), int(os.environ[size])
+    return 0, 1
+
+
+def gloo_step(tx, sizes, batch):
+    """The step in shard_map over one CPU device per process, gradients averaged with pmean; its
+    inputs as global arrays. Returns (step, params, state, x, y)."""
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rank, size = launcher_rank()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{int(os.environ.get('GLOO_PORT', '12734'))}", size, rank)
+    mesh = jax.make_mesh((size,), ("d",))
+
+    def local(params, state, x, y):
+        grads = jax.lax.pmean(jax.grad(loss_fn)(params, x, y), "d")
+        updates, state = tx.update(grads, state, params)
+        import optax
+
+        return optax.apply_updates(params, updates), state
+
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = init_params(sizes, jax.random.key(0))
+    state = tx.init(params)
+    as_global = lambda a, sharding: jax.make_array_from_process_local_data(sharding, np.asarray(a))  # noqa: E731
+    params, state = jax.tree_util.tree_map(lambda a: as_global(a, replicated), (params, state))
+    x, y = batch_for(rank, sizes, batch)
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
+                                 out_specs=(P(), P())))
+    return step, params, state, as_global(x, split), as_global(y, split)
+
+
+def batch_for(rank: int, sizes, batch: int):
+    import numpy as np
+
+    rng = np.random.default_rng(rank)
+    return (rng.random((batch, sizes[0]), dtype=np.float32),
+            rng.integers(0, sizes[-1], batch).astype(np.int32))
+
+
+def setup(mode: str, update: str, sizes, batch: int):
+    """(step, params, state, x, y, rank) for one configuration."""
+    import jax
     import optax
-    import train_digits_jax as example
 
     tx = optax.sgd(0.05, momentum=0.9)
     tx = optax.GradientTransformation(tx.init, jax.jit(tx.update))  # as DistributedOptimizer runs it
+    if mode == "gloo":
+        return (*gloo_step(tx, sizes, batch), launcher_rank()[0])
     rank = 0
     if mode == "gradsync":
         import gradsync
@@ -66,86 +172,126 @@ def measure(mode: str, update: str, steps: int, warmup: int, batch: int) -> None
         gradsync.init()
         rank = gradsync.rank()
         tx = gradsync.jax.DistributedOptimizer(tx)
-    elif mode == "callback":
-        tx = identity_callback_tx(tx)
-    params = example.init_params(jax.random.key(0))
-    state = tx.init(params)
-    step = example.make_train_step(tx, update)
-    rng = np.random.default_rng(rank)
-    x = rng.random((batch, 64), dtype=np.float32)
-    y = rng.integers(0, example.CLASSES, batch).astype(np.int32)
-    times = []
+    elif mode == "mpi4jax":
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        tx = mpi4jax_tx(tx)
+    params = init_params(sizes, jax.random.key(0))
+    return (make_step(tx, update), params, tx.init(params), *batch_for(rank, sizes, batch), rank)
+
+
+def measure(mode: str, update: str, model: str, steps: int, warmup: int, batch: int) -> None:
+    import jax
+
+    sizes = MODELS[model][0]
+    step, params, state, x, y, rank = setup(mode, update, sizes, batch)
+    times, cpu = [], []
     for i in range(warmup + steps):
-        start = time.perf_counter()
-        params, state, loss, _ = step(params, state, x, y)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        params, state = step(params, state, x, y)
         jax.block_until_ready(params)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     if rank == 0:
-        print(f"median_step_us={statistics.median(times) * 1e6:.1f}", flush=True)
+        print(f"median_step_us={statistics.median(times) * 1e6:.1f} "
+              f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
 
 
-CONFIGS = [  # (label, mode, update, parallel)
-    ("single, update in jit", "single", "jit", False),
-    ("single + identity io_callback", "callback", "jit", False),
-    ("gradsync, update in jit", "gradsync", "jit", True),
-    ("single, update on host", "single", "host", False),
-    ("gradsync, update on host", "gradsync", "host", True),
-]
-BASELINE = {"jit": "single, update in jit", "host": "single, update on host"}
+def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
+    """(label, mode, update, processes, what it is compared with); mpi4jax only if installed."""
+    rows = [("one process alone", "single", "jit", 1, ""),
+            (f"{ranks} single processes at once (floor)", "single", "jit", -ranks, ""),
+            ("gradsync, in jit, 1 rank", "gradsync", "jit", 1, "alone"),
+            (f"gradsync, in jit, {ranks} ranks", "gradsync", "jit", ranks, "floor"),
+            ("gradsync, update on host, 1 rank", "gradsync", "host", 1, "alone"),
+            (f"gradsync, update on host, {ranks} ranks", "gradsync", "host", ranks, "floor"),
+            (f"jax.distributed gloo pmean, {ranks} ranks", "gloo", "jit", ranks, "floor")]
+    try:
+        import mpi4jax  # noqa: F401
+    except ImportError:
+        print("# mpi4jax is not installed: its row is left out", flush=True)
+    else:
+        rows.append((f"mpi4jax allreduce in jit, {ranks} ranks", "mpi4jax", "jit", ranks, "floor"))
+    return rows
 
 
-def compare(ranks: int, repeats: int, steps: int, batch: int, csv_path: str | None) -> None:
-    """Launch every configuration ``repeats`` times, interleaved, and print a table of medians."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    results: dict[str, list[float]] = {label: [] for label, *_ in CONFIGS}
-    for _ in range(repeats):
-        for label, mode, update, parallel in CONFIGS:
-            cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--update", update,
-                   "--steps", str(steps), "--batch", str(batch)]
-            if parallel:
-                cmd = [mpiexec, "-n", str(ranks), *cmd]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-            line = [x for x in out.stdout.splitlines() if x.startswith("median_step_us=")]
-            if not line:
-                raise SystemExit(f"{label} failed:\n{out.stdout}\n{out.stderr}")
-            results[label].append(float(line[0].split("=")[1]))
-    print(f"\nexamples/train_digits_jax.py model, batch {batch} per rank, {ranks} ranks for gradsync, "
-          f"median of {repeats} launches x {steps} steps")
-    print(f"{'configuration':32s} {'step us':>9s} {'vs single':>9s}   each launch, us")
-    rows = []
-    for label, mode, update, _ in CONFIGS:
-        median = statistics.median(results[label])
-        ratio = median / statistics.median(results[BASELINE[update]])
-        launches = " ".join(f"{v:.1f}" for v in results[label])
-        print(f"{label:32s} {median:9.1f} {ratio:9.2f}   {launches}")
-        rows.append({"configuration": label, "ranks": ranks if mode == "gradsync" else 1,
-                     "batch": batch, "step_us": round(median, 1), "vs_single": round(ratio, 3),
-                     "launches": launches})
-    if csv_path:
+def launch(mode: str, update: str, processes: int, args, env: dict) -> tuple[float, float]:
+    """The median step and its CPU time (us, rank 0's process, all its threads) of one
+    configuration; ``processes < 0``: that many single processes at once, their means."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--update", update, "--model",
+           args.model, "--steps", str(args.steps), "--batch", str(args.batch)]
+    if processes > 1:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
+    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(max(1, -processes))]
+    values = []
+    for run in runs:
+        out, err = run.communicate(timeout=900)
+        line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
+        if not line:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err}")
+        values.append([float(field.split("=")[1]) for field in line[0].split()])
+    return statistics.mean(v[0] for v in values), statistics.mean(v[1] for v in values)
+
+
+def compare(args) -> None:
+    """Launch every configuration ``args.repeats`` times, interleaved; print a table of medians."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", XLA_FLAGS=XLA_ONE_THREAD)
+    rows = configs(args.ranks)
+    results: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    for repeat in range(args.repeats):
+        for label, mode, update, processes, _ in rows:
+            env["GLOO_PORT"] = str(12734 + repeat)
+            step, step_cpu = launch(mode, update, processes, args, env)
+            results[label].append(step)
+            cpu[label].append(step_cpu)
+    print(f"\n{args.model} MLP, batch {args.batch} per rank, XLA on one thread per process, median of "
+          f"{args.repeats} launches x {args.steps} steps; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'configuration':40s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   "
+          "each launch, ms")
+    table = []
+    for label, *_, against in rows:
+        row = {"configuration": label, "model": args.model, "batch": args.batch}
+        for what, values in (("step", results), ("cpu", cpu)):
+            median = {key: statistics.median(v) for key, v in values.items()}
+            base = {"alone": median[rows[0][0]], "floor": median[rows[1][0]]}
+            row[f"{what}_ms"] = round(median[label] / 1e3, 2)
+            row[f"{what}_ratio"] = f"{median[label] / base[against]:.2f}x {against}" if against else ""
+        row["launches"] = " ".join(f"{v / 1e3:.2f}" for v in results[label])
+        print(f"{label:40s} {row['step_ms']:8.2f} {row['step_ratio']:>12s} {row['cpu_ms']:7.2f} "
+              f"{row['cpu_ratio']:>12s}   {row['launches']}")
+        table.append(row)
+    if args.csv:
+        sys.path.insert(0, HERE)
         import benchenv
 
-        benchenv.write_csv(csv_path, rows, benchenv.environment(ranks, env))
-        print(f"# wrote {csv_path}")
+        benchenv.write_csv(args.csv, table, benchenv.environment(args.ranks, env))
+        print(f"# wrote {args.csv}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["single", "callback", "gradsync"], default="gradsync")
+    parser.add_argument("--mode", choices=["single", "gradsync", "mpi4jax", "gloo"], default="gradsync")
     parser.add_argument("--update", choices=["jit", "host"], default="jit")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--model", choices=sorted(MODELS), default="wide")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (digits 2000, wide 100)")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=None, help="samples per rank per step")
     parser.add_argument("--compare", action="store_true", help="run every configuration")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--csv", type=str, default=None, help="--compare: also write the table here")
     args = parser.parse_args()
+    args.batch = args.batch or MODELS[args.model][1]
+    args.steps = args.steps or (2000 if args.model == "digits" else 100)
     if args.compare:
-        compare(args.ranks, args.repeats, args.steps, args.batch, args.csv)
+        compare(args)
     else:
-        measure(args.mode, args.update, args.steps, args.warmup, args.batch)
+        os.environ.setdefault("XLA_FLAGS", XLA_ONE_THREAD)  # before jax is imported
+        measure(args.mode, args.update, args.model, args.steps, args.warmup, args.batch)
 
 
 if __name__ == "__main__":

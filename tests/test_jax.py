@@ -93,3 +93,59 @@ def test_gradsync_jax_has_no_in_place_ops_and_says_why():
         gj.broadcast_  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         gj.nothing  # noqa: B018
+
+
+# ---- the in-place custom call of reductions inside jit (gradsync/jax/xla_ffi.py) ------------
+
+xla_ffi = pytest.importorskip("gradsync.jax.xla_ffi")
+
+
+def test_a_custom_call_body_writes_its_results_into_xlas_buffers():
+    seen = []
+
+    def body(outputs):
+        seen.append([(o.shape, o.dtype, o.flags.writeable) for o in outputs])
+        outputs[0] *= 3
+        outputs[1] += 1
+
+    step = jax.jit(lambda a, b: xla_ffi.call(body, [a * 2, b]))
+    a, b = np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5, dtype=np.int32)
+    out_a, out_b = step(a, b)
+    np.testing.assert_array_equal(np.asarray(out_a), a * 6)
+    np.testing.assert_array_equal(np.asarray(out_b), b + 1)
+    assert seen == [[((3, 4), np.float32, True), ((5,), np.int32, True)]]
+
+
+def test_the_custom_call_runs_once_per_execution_and_its_outputs_alias_its_inputs():
+    calls = []
+    step = jax.jit(lambda x: xla_ffi.call(lambda outputs: calls.append(1), [x + 1])[0])
+    for _ in range(3):
+        jax.block_until_ready(step(jnp.ones(4)))
+    assert len(calls) == 3
+    hlo = step.lower(jnp.ones(4)).as_text()
+    assert xla_ffi.TARGET in hlo and "output_operand_aliases" in hlo
+
+
+def test_an_error_in_the_body_is_raised_from_the_jitted_call_with_its_message():
+    def body(outputs):
+        raise ValueError("rank 0: tensor 'w' disagrees")
+
+    with pytest.raises(Exception, match=r"ValueError: rank 0: tensor 'w' disagrees"):
+        jax.block_until_ready(jax.jit(lambda x: xla_ffi.call(body, [x])[0])(jnp.ones(2)))
+
+
+def test_inside_jit_an_allreduce_is_the_custom_call_not_a_host_callback():
+    import gradsync
+    import gradsync.jax as gj
+
+    gradsync.init()
+    try:
+        step = jax.jit(lambda t: gj.grouped_allreduce(t, name="hlo"))
+        tree = {"w": jnp.ones((3, 2)), "b": jnp.arange(3, dtype=jnp.int32)}
+        hlo = step.lower(tree).as_text()
+        assert xla_ffi.TARGET in hlo and "callback" not in hlo
+        result = step(tree)  # one rank: the average is the input itself
+        np.testing.assert_array_equal(np.asarray(result["w"]), np.ones((3, 2), np.float32))
+        np.testing.assert_array_equal(np.asarray(result["b"]), np.arange(3, dtype=np.int32))
+    finally:
+        gradsync.shutdown()

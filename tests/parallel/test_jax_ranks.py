@@ -111,6 +111,21 @@ def test_grouped_allreduce_of_a_mixed_dtype_pytree_matches_numpy(where):
         close(result[key], reference(every_rank(shape, dtype, i), "Average"))
 
 
+@pytest.mark.parametrize("op", ["Average", "Sum"])
+def test_inside_jit_the_in_place_custom_call_gives_the_same_bits_as_outside(op):
+    """Inside jit the leaves are reduced in XLA's own buffers (gradsync/jax/xla_ffi.py); outside,
+    from host views into new buffers: the same fused reduction, so the same bits."""
+    seeds = {"w": ((300, 7), np.float32, 3), "b": ((7,), np.float32, 4), "h": ((5,), np.float16, 5)}
+    tree = {key: jnp.asarray(rank_data(gradsync.rank(), *spec)) for key, spec in seeds.items()}
+    reduce = lambda t, where: gj.grouped_allreduce(t, name=f"bits.{op}.{where}",  # noqa: E731
+                                                   op=getattr(gradsync, op))
+    inside = jax.jit(lambda t: reduce(jax.tree_util.tree_map(lambda a: a * 1, t), "jit"))(tree)
+    outside = reduce(tree, "eager")
+    for key, spec in seeds.items():
+        np.testing.assert_array_equal(np.asarray(inside[key]), np.asarray(outside[key]))
+        close(inside[key], reference(every_rank(*spec), op))
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_allreduce_with_scale_factors(where):
     mine = jnp.asarray(rank_data(gradsync.rank(), (6,), np.float32))

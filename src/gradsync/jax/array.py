@@ -42,7 +42,8 @@ def check_concrete(x: Any, what: str) -> None:
         raise TypeError(f"{what} got a traced jax value (inside jax.jit, vmap, grad or a control-flow "
                         "primitive); gradsync's core ops need concrete arrays. Inside jax.jit use "
                         "gradsync.jax.allreduce, grouped_allreduce, broadcast or allgather (they run "
-                        "through an ordered io_callback), or call the op outside the traced function")
+                        "through an XLA custom call or an ordered io_callback), or call the op "
+                        "outside the traced function")
 
 
 def single_device(x: jax.Array, what: str) -> jax.Device:

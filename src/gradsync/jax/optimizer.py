@@ -10,7 +10,7 @@ import jax
 from .. import metrics
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
-from .collectives import broadcast, grouped_allreduce
+from .collectives import allreduce, broadcast
 
 
 def DistributedOptimizer(tx: Any, op: ReduceOp = ReduceOp.Average, name: str = "gradients",  # noqa: N802
@@ -18,12 +18,14 @@ def DistributedOptimizer(tx: Any, op: ReduceOp = ReduceOp.Average, name: str = "
     """Wrap an optax ``GradientTransformation`` so that its ``update`` averages the gradients across
     ranks first: N ranks then take the same steps as one process on their concatenated batches.
 
-    ``update(grads, state, params=None, **extra_args)`` reduces the whole gradient pytree as one
-    unit (:func:`gradsync.jax.grouped_allreduce`: one negotiation, one fused buffer per dtype) and
-    passes the result to ``tx.update``, compiled (``jax.jit(tx.update)``, so a call outside jit
-    does not run the wrapped update op by op; extra args must then be arrays or pytrees of them).
-    It works outside ``jax.jit`` and inside it (an ordered io_callback, the same on every rank),
-    inside ``lax.cond``/``scan`` and under
+    ``update(grads, state, params=None, **extra_args)`` averages the gradient pytree
+    (:func:`gradsync.jax.allreduce`: each leaf a collective named ``<name><key path>``; the core
+    reduces a leaf above the fusion threshold alone in its own memory, which inside jit is XLA's
+    buffer, and fuses the small ones; PERF-NOTES.md fact 4) and passes the result to
+    ``tx.update``, compiled (``jax.jit(tx.update)``, so a call outside jit does not run the
+    wrapped update op by op; extra args must then be arrays or pytrees of them). It works outside
+    ``jax.jit`` and inside it (an in-place XLA custom call, the same on every rank), inside
+    ``lax.cond``/``scan`` and under
     ``optax.MultiSteps`` (gradient accumulation: only the k-th micro-step communicates). Every
     rank must call it the same number of times. ``init`` is ``tx.init``: give every rank the same
     parameters first (:func:`broadcast_parameters`), and scale the learning rate with the number
@@ -55,7 +57,7 @@ def DistributedOptimizer(tx: Any, op: ReduceOp = ReduceOp.Average, name: str = "
     compiled = jax.jit(inner.update)
 
     def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
-        averaged = grouped_allreduce(grads, name=name, op=op, process_set=process_set)
+        averaged = allreduce(grads, name=name, op=op, process_set=process_set)
         return compiled(averaged, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
