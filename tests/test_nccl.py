@@ -24,6 +24,7 @@ import pytest
 import gradsync
 from gradsync import nccl
 from gradsync.errors import GradsyncError, NcclError, NcclUnavailableError
+from gradsync.libraries import loaded_library
 from gradsync.protocol import ReduceOp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,11 +254,11 @@ def test_an_nccl_already_loaded_in_the_process_is_taken_and_logged():
 def test_a_loaded_file_is_found_by_its_mapped_path(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 08:01 2 /torch/site-packages/nvidia/nccl/lib/libnccl.so.2\n")
-    assert nccl.loaded_library(nccl.LOADED_PATTERN, str(maps)) == \
+    assert loaded_library(nccl.LOADED_PATTERN, str(maps)) == \
         "/torch/site-packages/nvidia/nccl/lib/libnccl.so.2"
     maps.write_text("7f00-7f01 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5\n"
                     "7f00-7f01 r-xp 0 08:01 2 /usr/lib/libnccl-net.so\n")
-    assert nccl.loaded_library(nccl.LOADED_PATTERN, str(maps)) == "/usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5"
+    assert loaded_library(nccl.LOADED_PATTERN, str(maps)) == "/usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5"
 
 
 def test_the_binding_imports_no_framework():
