@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import dtypes, runtime
+from . import adasum, dtypes, runtime
 from .arrays import adapter_for
 from .device import DeviceRuntime, device_kind
 from .fusion import split_rows
@@ -192,9 +192,11 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
         op = op if type(op) is ReduceOp else ReduceOp(op)
     except ValueError:
         raise ValueError(f"{where}: op={op!r} is not one of {[o.name for o in ReduceOp]}") from None
-    if op == ReduceOp.Adasum:  # allreduce and grouped_allreduce took it to gradsync.adasum before
-        raise NotImplementedError(f"{where}: op=Adasum is supported by allreduce and "
-                                  "grouped_allreduce only")
+    if op == ReduceOp.Adasum:
+        if kind != Kind.ALLREDUCE:
+            raise NotImplementedError(f"{where}: op=Adasum is supported by allreduce and "
+                                      "grouped_allreduce only")
+        adasum.check(info.dtype, device is None, coordinator.size, where)
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_reduction(where, info.dtype, op, prescale, postscale)
     shape = info.shape
@@ -213,8 +215,6 @@ def _reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, prescale
 def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: float,
                postscale_factor: float, in_place: bool, process_set: ProcessSet,
                kind: Kind = Kind.ALLREDUCE) -> Handle:
-    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum:
-        return _adasum([tensor], name, in_place, prescale_factor, postscale_factor, process_set, False)
     prepared = _reduction(tensor, name, kind, op, prescale_factor, postscale_factor, in_place,
                           process_set)
     return prepared.submit(name, kind.name.lower())
@@ -223,16 +223,8 @@ def _allreduce(tensor: Any, name: str | None, op: ReduceOp, prescale_factor: flo
 def _grouped_reduction(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
                        prescale_factor: float, postscale_factor: float, in_place: bool,
                        process_set: ProcessSet) -> GroupHandle:
-    if kind == Kind.ALLREDUCE and op == ReduceOp.Adasum and isinstance(tensors, (list, tuple)) and tensors:
-        return _adasum(tensors, name, in_place, prescale_factor, postscale_factor, process_set, True)
     return _grouped(tensors, name, kind, process_set, lambda tensor, where: _reduction(
         tensor, None, kind, op, prescale_factor, postscale_factor, in_place, process_set, where))
-
-
-def _adasum(*args) -> Handle | GroupHandle:
-    from .adasum import allreduce_async  # imported on use: it builds on this module's alltoall
-
-    return allreduce_async(*args)
 
 
 def _grouped(tensors: Sequence[Any], name: str | None, kind: Kind, process_set: ProcessSet,

@@ -27,7 +27,7 @@ from ..fusion import split_rows
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
 from .buckets import Bucket, Layout, cut_buckets, is_view
-from .mpi_ops import sparse_allreduce_async
+from .collectives import sparse_allreduce_async
 
 DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + its sparse_dim
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops, runtime
+from .. import adasum, ops, runtime
 from ..compression import Compression, Compressor
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
@@ -340,7 +340,7 @@ class _DistributedOptimizer:
         the step. One grouped Adasum allreduce per dtype (after ``compression``), on host memory
         (CUDA tensors are staged); every rank submits them whatever its gradients (a parameter
         without one has a zero update)."""
-        from .mpi_ops import grouped_allreduce_async_
+        from .collectives import grouped_allreduce_async_
 
         self._gs_check_parameters_once()
         params = list(self._gs_names)
@@ -770,9 +770,8 @@ def _check_arguments(optimizer, rank: int, backward_passes_per_step, op, gradien
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
                          f"{gradient_predivide_factor} needs op=Average, got {op.name}")
-    if op == ReduceOp.Adasum and process_set.size() & (process_set.size() - 1):
-        raise NotImplementedError(f"gradsync: rank {rank}: op=Adasum needs a power-of-two number of "
-                                  f"ranks (as Horovod's), but {process_set} has {process_set.size()}")
+    if op == ReduceOp.Adasum:
+        adasum.check_ranks(process_set.size(), f"gradsync: rank {rank}: {process_set}")
     if not (callable(getattr(compression, "compress", None))
             and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
