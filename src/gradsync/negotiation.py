@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from . import fusion
+from . import fusion, joins
 from .config import Config
-from .protocol import CycleReply, Kind, RankMessage, ReduceOp, Request, Response
+from .protocol import CycleReply, Kind, RankMessage, Request, Response
 from .response_cache import Lookup, ResponseCache, bits_from_list, bits_to_words, iter_bits, set_bits
 from .stall_inspector import StallInspector
 
@@ -183,7 +183,7 @@ class MessageTable:
             if error is None and first.kind == Kind.BROADCAST and first.root in joined:
                 error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
                          "cannot broadcast")
-            refused = _join_refusal(first, (name,), self.world, joined) if error is None else None
+            refused = joins.refusal(first, (name,), self.world, joined) if error is None else None
             if refused is not None:
                 responses.append(refused)
             elif error is not None:
@@ -205,7 +205,7 @@ class MessageTable:
         if joined:  # joined ranks need each request to stand in for it
             responses = [r._replace(requests=tuple(representative[n] for n in r.names))
                          for r in responses]
-        return tuple(_counting_contributors(responses, self.size, joined))
+        return tuple(joins.counting_contributors(responses, self.size, joined))
 
     def _take(self, name: str, representative: dict[str, Request]) -> tuple[list[Request | None], Request]:
         """Remove ``name`` from the table, answered: its slots, and its first request (recorded in
@@ -225,7 +225,7 @@ class MessageTable:
             first_dims.append(_first_dims(slots))
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
-        refused = _join_refusal(first, names, self.world, self.joined) if error is None else None
+        refused = joins.refusal(first, names, self.world, self.joined) if error is None else None
         if refused is not None:
             return refused
         if error is not None:
@@ -235,47 +235,6 @@ class MessageTable:
         if first.kind == Kind.ALLGATHER:
             return Response(first.kind, names, first_dims=tuple(first_dims))
         return Response(first.kind, names)
-
-
-# ---- the join rules, written once for the full and the cached negotiation ----------------------
-
-def _join_refusal(request: Request, names: tuple[str, ...], world: tuple[int, ...],
-                  ranks: Iterable[int]) -> Response | None:
-    """While ``ranks`` of the set (``world[r]`` in the world's numbering, which the error gives)
-    have joined: the error response of a collective (alone, or a whole group) that cannot run
-    beside a joined rank, or None if it runs with the joined ranks' stand-ins. Refused: what the
-    Horovod namespace marks ``refuse_join`` (Horovod's semantics), and Adasum, whose pairwise
-    levels need every rank's vector (a stand-in of zeros would change the result)."""
-    if not ranks:
-        return None
-    adasum = request.kind == Kind.ALLREDUCE and request.op == ReduceOp.Adasum
-    if not (request.refuse_join or adasum):
-        return None
-    joined = sorted(world[r] for r in ranks)
-    kind = request.kind.name.lower()
-    what = f"{kind} {request.name!r}"
-    if request.group:
-        what = f"grouped {kind} {request.group!r} fails as a whole"
-    listed = f"rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} called join()"
-    if adasum:
-        return Response(request.kind, names, error=(
-            f"{what}: {listed}; op=Adasum cannot run while some ranks have joined (their vectors "
-            "are missing)"))
-    return Response(request.kind, names, error=(
-        f"{what}: {listed}; Horovod's {kind} does not run beside a joined rank (gradsync.{kind} "
-        "does: the joined rank takes part with a stand-in)"))
-
-
-def _counting_contributors(responses: list[Response], size: int,
-                           joined: Iterable[int]) -> list[Response]:
-    """While ``joined`` ranks (of ``size``) have joined, every response but join's carries the
-    number of ranks that contribute (from which the coordinator takes the Average divisor of
-    ``GRADSYNC_JOIN_DIVISOR=contributors``); its ``requests`` are what the joined ranks stand in
-    for."""
-    count = len(set(joined))
-    if not count:
-        return responses
-    return [r if r.kind == Kind.JOIN else r._replace(contributors=size - count) for r in responses]
 
 
 def _first_dims(slots: list[Request | None]) -> tuple[int, ...]:
@@ -478,7 +437,7 @@ class Negotiator:
             request = take(bit, None) or cached
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
-            elif joined and (refused := _join_refusal(request, (request.name,), self.world, joined)):
+            elif joined and (refused := joins.refusal(request, (request.name,), self.world, joined)):
                 responses.append(refused)
             elif request.kind is allreduce:
                 allreduces.append(request)
@@ -488,11 +447,11 @@ class Negotiator:
         self._ready_bits &= ~ready
         for members in groups.values():
             names = tuple(r.name for r in members)
-            responses.append(_join_refusal(members[0], names, self.world, joined)
+            responses.append(joins.refusal(members[0], names, self.world, joined)
                              or Response(members[0].kind, names, requests=tuple(members)))
         responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
                                            with_requests=True)
-        return _counting_contributors(responses, self.size, joined)
+        return joins.counting_contributors(responses, self.size, joined)
 
     def _full(self, message: RankMessage) -> CycleReply:
         gathered = self.comm.gather(message, root=0)

@@ -6,7 +6,7 @@ does differently from gradsync's core ops, and these functions therefore do too:
 
 * ``average=`` (deprecated in Horovod, still accepted): True is ``op=Average``, False ``op=Sum``;
   ``op=None`` means Average.
-* Integer tensors are scaled as Horovod scales them: ``Average`` is the sum times ``1/size`` in
+* Integer tensors are scaled as Horovod scales them: ``Average`` is the sum times ``1/divisor`` in
   float64, truncated toward zero (gradsync's core rounds down), and pre/postscale factors apply to
   integers too (in float64, truncated), where gradsync's core refuses them.
 * ``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``,
