@@ -59,7 +59,7 @@ class CallerRuns:
 
     def take_turn(self) -> bool:
         """:meth:`caller_turn`'s start, for callers that cannot afford a generator per op
-        (:class:`gradsync.ops.blocking`): True if this thread now holds its turn; then call
+        (:class:`gradsync.submission.blocking`): True if this thread now holds its turn; then call
         :meth:`finish_turn` afterwards, whatever happens."""
         if (not self.enabled or self._device.device is not None
                 or not self._lock.acquire(blocking=False)):
