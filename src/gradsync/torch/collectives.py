@@ -60,6 +60,12 @@ class Finishing:
         return self._result
 
 
+def grad_name(name: str) -> str:
+    """The name of the collective that carries the gradient of collective ``name`` (Horovod's
+    autograd functions)."""
+    return f"{name}.grad"
+
+
 def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """Horovod's integer scaling: multiplied in float64, truncated back to the dtype."""
     return (tensor.double() * factor).to(tensor.dtype)

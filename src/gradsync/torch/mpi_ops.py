@@ -42,16 +42,13 @@ from ..ops import poll, synchronize
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from . import basics as _basics
+from .alltoall import HorovodAlltoall, alltoall, alltoall_async
 from .basics import *  # noqa: F403 - Horovod's mpi_ops exports the basics too
 from .basics import Average, Sum, handle_average_backwards_compatibility, rank
-from .collectives import Finishing, reduce_async, sparse_allreduce_async
+from .collectives import grad_name, reduce_async, sparse_allreduce_async
 from .compression import Compression
 
 _NONE6 = (None,) * 6
-
-
-def _grad_name(name: str) -> str:
-    return f"{name}.grad"
 
 
 # ---- reductions (allreduce, grouped allreduce, reducescatter, grouped reducescatter) -------------
@@ -116,7 +113,7 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         average, op, prescale, postscale, process_set = ctx.args
-        grad = allreduce(grad_output.contiguous(), average, _grad_name(ctx.name), op=op,
+        grad = allreduce(grad_output.contiguous(), average, grad_name(ctx.name), op=op,
                          prescale_factor=prescale, postscale_factor=postscale,
                          process_set=process_set)
         return (grad, *_NONE6)
@@ -189,7 +186,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def backward(ctx, *grad_output):
         average, op, prescale, postscale, process_set = ctx.args
         grads = grouped_allreduce([g.contiguous() for g in grad_output], average,
-                                  _grad_name(ctx.name), op=op, prescale_factor=prescale,
+                                  grad_name(ctx.name), op=op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=process_set)
         return (*_NONE6, *grads)
 
@@ -243,7 +240,7 @@ def _own_rows(name: str, grads: Sequence[torch.Tensor], dims: Sequence[int],
               process_set: ProcessSet) -> list[torch.Tensor]:
     """This rank's rows of each averaged gradient of a (grouped) allgather: the averages in one
     grouped allreduce, every rank's first dimensions in one allgather."""
-    averaged = ops.grouped_allreduce([g.contiguous() for g in grads], _grad_name(name),
+    averaged = ops.grouped_allreduce([g.contiguous() for g in grads], grad_name(name),
                                      op=Average, process_set=process_set)
     every = ops.allgather(torch.tensor([list(dims)], dtype=torch.int64), f"{name}.grad.dims",
                           process_set=process_set)
@@ -332,7 +329,7 @@ class HorovodBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.allreduce(grad_output.contiguous(), _grad_name(ctx.name), op=Average,
+        grad = ops.allreduce(grad_output.contiguous(), grad_name(ctx.name), op=Average,
                              process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
@@ -345,80 +342,6 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     (``horovod.torch.broadcast``); as :func:`broadcast_async`. The gradient is the averaged output
     gradient on the root, zeros elsewhere."""
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
-
-
-# ---- alltoall -------------------------------------------------------------------------------------
-
-def _split_values(splits: Any, where: str) -> Any:
-    """``splits`` as gradsync takes them; Horovod's error for splits that are not integers."""
-    if isinstance(splits, torch.Tensor) and (splits.dtype.is_floating_point or splits.is_complex()
-                                             or splits.dtype == torch.bool):
-        raise ValueError(f"{where}: splits must hold integers (Horovod: int32), got {splits.dtype}")
-    return splits.cpu() if isinstance(splits, torch.Tensor) else splits
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Handle:
-    """Start an alltoall (``horovod.torch.alltoall_async``; MPI_Alltoallv along dimension 0).
-
-    ``splits``: rows for each rank of the set (a sequence or an integer tensor, on any device);
-    None splits evenly. :func:`synchronize` returns ``(output, received_splits)``, the received
-    splits as a tensor of ``splits``'s dtype and device (int32 on the CPU when ``splits`` is not a
-    tensor). CUDA tensors are staged through host memory.
-
-    Raises:
-        ValueError: floating-point splits; splits of the wrong length, negative, or not summing
-            to ``shape[0]``; ``shape[0]`` not divisible by the set's size with splits=None.
-            Others as :func:`gradsync.alltoall_async`.
-    """
-    values = _split_values(splits, f"gradsync: rank {rank()}: alltoall of tensor "
-                                   f"{'(unnamed)' if name is None else repr(name)}")
-    device = tensor.device if isinstance(tensor, torch.Tensor) else None
-    host = tensor.cpu() if device is not None and device.type == "cuda" else tensor
-    with ops.refusing_join():  # Horovod's alltoall fails beside a joined rank
-        handle = ops.alltoall_async(host, values, name, process_set)
-    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
-
-    def finish(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        output, received = result
-        if device is not None and output.device != device:
-            output = output.to(device)
-        return output, received.to(dtype=like.dtype, device=like.device)
-
-    return Finishing(handle, finish)
-
-
-class HorovodAlltoall(torch.autograd.Function):
-    """Alltoall as an autograd function: the gradient is the alltoall of the output's gradient back
-    along the received splits (Horovod's). Returns the output alone when ``splits`` is None."""
-
-    @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
-        with ops.blocking(process_set):
-            handle = alltoall_async(tensor, splits, name, process_set)
-            output, received = synchronize(handle)
-        ctx.name, ctx.process_set, ctx.recvsplits = handle.name, process_set, received
-        if splits is None:
-            return output
-        ctx.mark_non_differentiable(received)
-        return output, received
-
-    @staticmethod
-    def backward(ctx, grad_output, *unused):
-        grad, _ = alltoall(grad_output.contiguous(), ctx.recvsplits, _grad_name(ctx.name),
-                           ctx.process_set)
-        return grad, None, None, None
-
-
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Alltoall ``tensor``, differentiably (``horovod.torch.alltoall``): as :func:`alltoall_async`.
-
-    Returns:
-        ``(output, received_splits)``, or ``output`` alone when ``splits`` is None (Horovod's).
-    """
-    return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
 # ---- reducescatter --------------------------------------------------------------------------------
@@ -455,7 +378,7 @@ class HorovodReducescatter(torch.autograd.Function):
     def backward(ctx, grad_output):
         op, process_set, factor = ctx.args
         grad = _scatter_grad(grad_output, op, process_set, factor)
-        return ops.allgather(grad, _grad_name(ctx.name), process_set), *(None,) * 5
+        return ops.allgather(grad, grad_name(ctx.name), process_set), *(None,) * 5
 
 
 def _scatter_grad(grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet,
@@ -506,7 +429,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def backward(ctx, *grad_output):
         op, process_set, factor = ctx.args
         grads = [_scatter_grad(g, op, process_set, factor) for g in grad_output]
-        return (*(None,) * 5, *synchronize(grouped_allgather_async(grads, _grad_name(ctx.name),
+        return (*(None,) * 5, *synchronize(grouped_allgather_async(grads, grad_name(ctx.name),
                                                                    process_set)))
 
 
