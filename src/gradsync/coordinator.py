@@ -64,8 +64,7 @@ class Coordinator:
     It holds two collaborators, each given what it uses explicitly: :attr:`execution` (a
     :class:`~gradsync.execution.ResponseExecution`: a cycle's responses planned, run and
     completed) and :attr:`turns` (a :class:`~gradsync.caller_runs.CallerRuns`: a waiting caller's
-    turn at running cycles, whose ``caller_turn``, ``take_turn`` and ``finish_turn`` the
-    coordinator exposes for the ops).
+    turn at running cycles, which the ops take through ``coordinator.turns``).
 
     Args:
         comm: its communicator (negotiation); ``backend`` moves host data (default: an MpiBackend
@@ -120,9 +119,6 @@ class Coordinator:
         # caller's cycles too (tests/parallel/test_caller_runs.py records which thread ran them).
         self.turns = CallerRuns(caller_runs, self.lock, self.queue, self._pending, self.device,
                                 lambda: self.cycle(), self._crashed)
-        self.caller_turn = self.turns.caller_turn
-        self.take_turn = self.turns.take_turn
-        self.finish_turn = self.turns.finish_turn
         self._watchdog = liveness.start(comm, failure_timeout, self._heartbeat, lambda: self.busy,
                                         self._lost, world_ranks)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)

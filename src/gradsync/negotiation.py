@@ -327,6 +327,25 @@ class Negotiator:
         if self.cache is None:
             self.full_cycles += 1
             return self._full(RankMessage(shutdown, requests, stall, pending() if stall else None))
+        uncached, invalid = self._offer(requests)
+        ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
+            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
+        for bit in iter_bits(invalid):
+            self.forget(bit)
+            self.cache.evict(bit)
+        responses = self._cached_responses(ready)
+        if not (need_full or shutdown_any or stall_any):
+            self.cached_cycles += 1
+            return CycleReply(tuple(responses))
+        self.full_cycles += 1
+        # In a stall report every rank lists its pending collectives: cached ones are not in rank 0's table.
+        reply = self._full(RankMessage(shutdown, uncached, stall, pending() if stall_any else None))
+        return reply._replace(responses=tuple(responses) + reply.responses)
+
+    def _offer(self, requests: list[Request]) -> tuple[list[Request], int]:
+        """Set the ready bits of ``requests`` that hit the response cache (waiting for the other
+        ranks from now on); return the rest, to negotiate in full (with any resent after an
+        eviction), and the bits this rank found invalid."""
         uncached, self._resend = self._resend, []
         invalid = 0
         group_hits: list[tuple[Request, int]] = []
@@ -356,19 +375,7 @@ class Negotiator:
                 else:
                     self._ready_bits |= 1 << bit
                     self._waiting[bit] = request
-        ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
-            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
-        for bit in iter_bits(invalid):
-            self.forget(bit)
-            self.cache.evict(bit)
-        responses = self._cached_responses(ready)
-        if not (need_full or shutdown_any or stall_any):
-            self.cached_cycles += 1
-            return CycleReply(tuple(responses))
-        self.full_cycles += 1
-        # In a stall report every rank lists its pending collectives: cached ones are not in rank 0's table.
-        reply = self._full(RankMessage(shutdown, uncached, stall, pending() if stall_any else None))
-        return reply._replace(responses=tuple(responses) + reply.responses)
+        return uncached, invalid
 
     def _submitted_groups(self, requests: list[Request]) -> list[Request]:
         """``requests`` minus the members of groups not yet wholly submitted on this rank (kept

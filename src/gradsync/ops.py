@@ -26,7 +26,6 @@ from .process_sets import ProcessSet, global_process_set
 from .protocol import Kind, ReduceOp, Request
 from .submission import (
     Prepared,
-    blocking,
     check_not_scalar,
     check_splits,
     collective_name,
@@ -34,7 +33,6 @@ from .submission import (
     outputs,
     prepare,
     prepare_gather,
-    refusing_join,
     root_index,
     run_blocking,
     run_control,
@@ -42,9 +40,8 @@ from .submission import (
     submit_grouped_reduction,
     submit_reduction,
 )
-
-# ``blocking`` and ``refusing_join`` (gradsync.submission) are used by the adapters as ops.blocking
-# and ops.refusing_join: imported here for them.
+from .submission import blocking as blocking  # re-exported: the adapters use ops.blocking
+from .submission import refusing_join as refusing_join  # and ops.refusing_join
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,

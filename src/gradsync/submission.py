@@ -316,7 +316,7 @@ def run_control(kind: Kind, name: str | None, process_set: ProcessSet) -> Any:
     name = collective_name(coordinator, name, kind.name.lower())
     request = Request(name, kind, coordinator.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
-    with coordinator.caller_turn():
+    with coordinator.turns.caller_turn():
         return coordinator.submit(Entry(request, Handle(name), empty, empty, None)).wait()
 
 
@@ -329,12 +329,12 @@ def run_blocking(process_set: ProcessSet, start: Callable[..., Handle | GroupHan
 
 class blocking:  # noqa: N801 - used as a function, ``with blocking(process_set):``
     """Around a blocking op's submission and wait, as the caller's turn
-    (:meth:`Coordinator.caller_turn`): with caller runs, this thread takes the coordinator before
-    it submits, so that the push wakes no one and the cycle runs here. Framework adapters whose
-    blocking ops are ``synchronize(*_async(...))`` (gradsync.torch's) submit inside it. Does
-    nothing (the op waits as an asynchronous one) if gradsync is not initialised, this rank is not
-    in ``process_set``, the background thread is busy, or caller runs is off; raises nothing of
-    its own. A class rather than a generator: every blocking op enters one (docs/benchmarks.md,
+    (:meth:`gradsync.caller_runs.CallerRuns.caller_turn`): with caller runs, this thread takes the
+    coordinator before it submits, so that the push wakes no one and the cycle runs here. Framework
+    adapters whose blocking ops are ``synchronize(*_async(...))`` (gradsync.torch's) submit inside
+    it. Does nothing (the op waits as an asynchronous one) if gradsync is not initialised, this rank
+    is not in ``process_set``, the background thread is busy, or caller runs is off; raises nothing
+    of its own. A class rather than a generator: every blocking op enters one (docs/benchmarks.md,
     per-op cost)."""
 
     __slots__ = ("_process_set", "_coordinator", "_token")
@@ -349,13 +349,13 @@ class blocking:  # noqa: N801 - used as a function, ``with blocking(process_set)
         except Exception:  # noqa: BLE001 - the op itself raises it again, with its own message
             coordinator = None
         self._token = WAITING.set(True)  # what this thread pushes, it waits for: no batching
-        if coordinator is not None and coordinator.take_turn():
+        if coordinator is not None and coordinator.turns.take_turn():
             self._coordinator = coordinator
 
     def __exit__(self, *exc_info: object) -> None:
         try:
             if self._coordinator is not None:
                 self._coordinator, coordinator = None, self._coordinator
-                coordinator.finish_turn()
+                coordinator.turns.finish_turn()
         finally:
             WAITING.reset(self._token)
