@@ -17,12 +17,12 @@ and cycles again after ``cycle_time`` ms while requests wait for other ranks; or
 ``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
 whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
 background thread is idle) it runs the cycles itself until its handle is done
-(:meth:`Coordinator.run_for`), with no hand-off to the background thread and back. Both run the
-same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles happen, never what
-a cycle decides, and a rank's cycles are matched with the other ranks' in order whichever thread
-runs them. A waiter that finds the lock taken waits on its handle's event (no spinning). Other
-threads post to the queue (new entries, ``interrupt``, ``close``) or read snapshots
-(:attr:`Coordinator.busy`, ``queue.pending_names()``).
+(:meth:`gradsync.caller_runs.CallerRuns.run_for`), with no hand-off to the background thread and
+back. Both run the same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles
+happen, never what a cycle decides, and a rank's cycles are matched with the other ranks' in
+order whichever thread runs them. A waiter that finds the lock taken waits on its handle's event
+(no spinning). Other threads post to the queue (new entries, ``interrupt``, ``close``) or read
+snapshots (:attr:`Coordinator.busy`, ``queue.pending_names()``).
 
 With rank failure detection on, :attr:`Coordinator.busy` says since when the cycle is inside a
 negotiation or a collective; the watchdog of :mod:`gradsync.liveness` reads it to tell a rank that
@@ -58,8 +58,13 @@ log = logging.getLogger("gradsync")
 
 
 
-class Coordinator(CallerRuns, ResponseExecution):
+class Coordinator:
     """The coordinator of one process set; see the module docstring.
+
+    It holds two collaborators, each given what it uses explicitly: :attr:`execution` (a
+    :class:`~gradsync.execution.ResponseExecution`: a cycle's responses planned, run and
+    completed) and :attr:`turns` (a :class:`~gradsync.caller_runs.CallerRuns`: a waiting caller's
+    turn at running cycles, which the ops take through ``coordinator.turns``).
 
     Args:
         comm: its communicator (negotiation); ``backend`` moves host data (default: an MpiBackend
@@ -80,24 +85,20 @@ class Coordinator(CallerRuns, ResponseExecution):
         # The coordinators of this rank's other process sets (the runtime sets it), for stall reports.
         self.neighbours: Callable[[], list[Coordinator]] = list
         self.lock = threading.Lock()  # held by the thread running a cycle
-        self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
         self._last_cycle = time.monotonic()  # when the last cycle ended (any thread)
         self.queue = TensorQueue(self.world_rank)
         check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
-        # The entries the last cycle completed, released when the next cycle starts; see _retire.
-        self._retired: list[Entry] = []
-        self._join_divisor = config.join_divisor
         failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
         # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
         # is inside a blocking MPI call would leave that thread blocked for good, where the
         # watchdog's verdict can fail only threads that wait on a handle (docs/architecture.md).
-        self.caller_runs = config.caller_runs and failure_timeout == 0
+        caller_runs = config.caller_runs and failure_timeout == 0
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
-        # (time.monotonic() at entry, what) while inside a cycle or a collective; read by the watchdog.
-        self.busy: tuple[float, object] | None = None
-        self.joins = 0  # join() calls completed on this set (the same count on every member)
+        # (time.monotonic() at entry, what) while inside a negotiation; read by the watchdog, with
+        # the execution's own while inside a collective (:attr:`busy`).
+        self._negotiating: tuple[float, object] | None = None
         self._stall_clock = StallClock(config.stall_check_time_seconds,
                                        config.stall_shutdown_time_seconds)
         self._autotuner = None
@@ -105,15 +106,44 @@ class Coordinator(CallerRuns, ResponseExecution):
             self._autotuner = Autotuner(config.fusion_threshold, config.cycle_time,
                                         config.autotune_window)
         self.timeline = open_for(config.timeline, process_set_id, self.world_rank)
-        self._watchdog = liveness.start(comm, failure_timeout, self._heartbeat, lambda: self.busy,
-                                        self._lost, world_ranks)
         backend = backend if backend is not None else MpiBackend(comm)
         self.host = HostExecutor(backend, self.rank, self.size)
         self.device = DeviceExecutor(comm, backend, config.gpu_operations, self.timeline,
                                      on_error=self.queue.interrupt, world_ranks=world_ranks,
                                      process_set_id=process_set_id, claims=gpu_claims)
+        self.execution = ResponseExecution(
+            self._pending, self.queue, self.negotiator, self.host, self.device, self.rank,
+            self.size, self._world, config.join_divisor, self._set_ranks_note(), self._autotuner,
+            self.timeline)
+        # The cycle is looked up at each call, so that a wrapper set on the coordinator sees the
+        # caller's cycles too (tests/parallel/test_caller_runs.py records which thread ran them).
+        self.turns = CallerRuns(caller_runs, self.lock, self.queue, self._pending, self.device,
+                                lambda: self.cycle(), self._crashed)
+        self._watchdog = liveness.start(comm, failure_timeout, self._heartbeat, lambda: self.busy,
+                                        self._lost, world_ranks)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
         self._thread.start()
+
+    @property
+    def caller_runs(self) -> bool:
+        """Whether a caller waiting for a host handle may run the cycles (``GRADSYNC_CALLER_RUNS``,
+        off with rank failure detection); read when an op is submitted, settable."""
+        return self.turns.enabled
+
+    @caller_runs.setter
+    def caller_runs(self, value: bool) -> None:
+        self.turns.enabled = value
+
+    @property
+    def busy(self) -> tuple[float, object] | None:
+        """(time.monotonic() at entry, what) while the cycle is inside a negotiation or a
+        collective, else None; the watchdog of :mod:`gradsync.liveness` reads it."""
+        return self._negotiating or self.execution.busy
+
+    @property
+    def joins(self) -> int:
+        """join() calls completed on this set (the same count on every member)."""
+        return self.execution.joins
 
     @property
     def failure(self) -> str | None:
@@ -142,11 +172,11 @@ class Coordinator(CallerRuns, ResponseExecution):
         host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
         for entry in entries:
             entry.handle._hurry = self.queue.hurry
-            if self.caller_runs and host:
-                entry.handle._runner = self.run_for
-        mine = self._turn == threading.get_ident()
+            if self.turns.enabled and host:
+                entry.handle._runner = self.turns.run_for
+        mine = self.turns.mine()
         if mine and not host:  # device work and join() stay on the background thread
-            self._end_turn()
+            self.turns.end_turn()
             mine = False
         self.queue.push_all(entries, wake=not mine)  # in the caller's turn, the caller cycles
         return [entry.handle for entry in entries]
@@ -159,7 +189,7 @@ class Coordinator(CallerRuns, ResponseExecution):
         safe) rather than setting None."""
         old = self.timeline
         if timeline is not None:
-            self.timeline = self.device.timeline = timeline
+            self.timeline = self.device.timeline = self.execution.timeline = timeline
         if old is not None and old is not timeline:
             old.close()
 
@@ -219,22 +249,21 @@ class Coordinator(CallerRuns, ResponseExecution):
     def _cycle(self) -> bool:
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
-        self._retired = []  # the memory of the last cycle's tensors may go now (see _retire)
         entries, shutdown = self.queue.take()
         device_failed = self.device.error  # this cycle tells the others; the next one stops
         for entry in entries:
             self._pending[entry.request.name] = entry
         started_ns = time.perf_counter_ns()
         stall = self._stall_due(started_ns)
-        self.busy = (time.monotonic(), "a negotiation cycle")
+        self._negotiating = (time.monotonic(), "a negotiation cycle")
         reply = self.negotiator.cycle([e.request for e in entries], shutdown or bool(device_failed),
                                       stall, self._pending_ages)
-        self.busy = None
+        self._negotiating = None
         replied_ns = time.perf_counter_ns()
         if self.timeline is not None and (entries or reply.responses):
             self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
                                                        "responses": len(reply.responses)})
-        if not self._execute_all(reply.responses, replied_ns):
+        if not self.execution.run(reply.responses, replied_ns):
             return False
         if self._autotuner is not None:
             proposal = self._autotuner.poll()
@@ -300,7 +329,7 @@ class Coordinator(CallerRuns, ResponseExecution):
     # ---- stopping --------------------------------------------------------------------------
     def _crashed(self, exc: BaseException) -> None:
         """The cycle raised: fail everything, and tell the other ranks, who would wait for this one."""
-        self.busy = None
+        self._negotiating = self.execution.busy = None
         lost = liveness.process_failure(exc, self.comm)
         if lost is not None:  # MPI itself reported a failed process (ULFM): that rank, not this one
             reason = liveness.process_failure_reason(lost, self._world, exc)

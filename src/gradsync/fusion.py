@@ -26,15 +26,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import dtypes
+from . import adasum, dtypes
 from .memory import Memory
 from .protocol import FUSION_KEY, Kind, ReduceOp, Request, Response
 
 
+def buffer_dtype(request: Request, native: frozenset[str] = dtypes.MPI_NATIVE) -> np.dtype:
+    """The dtype in which a reduction of ``request`` runs, by a backend that reduces the dtypes in
+    ``native`` as they are: Adasum's float64 (:data:`gradsync.adasum.DTYPE`), else the
+    accumulator of :func:`gradsync.dtypes.accumulator`."""
+    if request.op == ReduceOp.Adasum:
+        return adasum.DTYPE
+    return dtypes.accumulator(request.dtype, request.op == ReduceOp.Average, native)
+
+
 def nbytes(request: Request) -> int:
-    """Bytes the request occupies in a fusion buffer (its accumulator dtype times its elements)."""
-    acc = dtypes.accumulator(request.dtype, request.op == ReduceOp.Average)
-    return math.prod(request.shape) * acc.itemsize
+    """Bytes the request occupies in a fusion buffer (its buffer dtype times its elements)."""
+    return math.prod(request.shape) * buffer_dtype(request).itemsize
 
 
 def split_rows(rows: int, size: int) -> list[int]:
@@ -225,6 +233,18 @@ class FusionPlan(NamedTuple):
         """The buffer is the lone member's output itself (allreduce, broadcast in place)."""
         return self.in_place and self.kind in (Kind.ALLREDUCE, Kind.BROADCAST)
 
+    @property
+    def received_in_output(self) -> bool:
+        """An allgather whose rows arrive straight in its lone member's output: the plan has
+        nothing to unpack (:func:`_allgather` decides it, the executors follow)."""
+        return self.kind == Kind.ALLGATHER and not self.unpacks
+
+    @property
+    def bounds(self) -> list[int]:
+        """Where each member starts in the buffer, and the end: the segments of Adasum's
+        per-tensor coefficients (:func:`gradsync.adasum.combine`)."""
+        return _offsets([_elements(entry) for entry in self.entries])
+
 
 def reduction(request: Request, buffer: np.dtype, divisor: int, size: int, traits: Traits) -> Reduction:
     """The Average rule, written once: a backend that averages ``buffer``'s dtype itself does so
@@ -269,7 +289,7 @@ def _offsets(counts: list[int]) -> list[int]:
 
 def _allreduce(response: Response, entries: list, context: Context) -> FusionPlan:
     request = entries[0].request
-    dtype = dtypes.accumulator(request.dtype, request.op == ReduceOp.Average, context.traits.native)
+    dtype = buffer_dtype(request, context.traits.native)
     finish = reduction(request, dtype, context.divisor, context.size, context.traits)
     counts = [_elements(e) for e in entries]
     copies = tuple(map(Copy, range(len(counts)), _offsets(counts), counts))  # member, offset, count
@@ -287,7 +307,7 @@ def _reducescatter(response: Response, entries: list, context: Context) -> Fusio
     """The send buffer holds, rank after rank, that rank's rows of each member in turn; each rank
     receives its rows of every member (MPI_Reduce_scatter's layout)."""
     request = entries[0].request
-    dtype = dtypes.accumulator(request.dtype, request.op == ReduceOp.Average, context.traits.native)
+    dtype = buffer_dtype(request, context.traits.native)
     finish = reduction(request, dtype, context.divisor, context.size, context.traits)
     rows = [split_rows(e.request.shape[0], context.size) for e in entries]
     bounds = [_offsets(r) for r in rows]

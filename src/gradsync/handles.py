@@ -22,7 +22,8 @@ class Handle:
     result, and the host does not block.
     """
 
-    __slots__ = ("name", "_done", "_gate", "_result", "_error", "_completion", "_runner", "_hurry")
+    __slots__ = ("name", "_done", "_gate", "_result", "_error", "_completion", "_runner", "_hurry",
+                 "divisor")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -40,6 +41,11 @@ class Handle:
         self._runner: Callable[[Handle], None] | None = None
         # The queue's hurry: a thread waits, so the coordinator cycles without batching.
         self._hurry: Callable[[], None] | None = None
+        #: Once done: the Average divisor the coordinator decided for this collective (the set's
+        #: size, or with ``GRADSYNC_JOIN_DIVISOR=contributors`` the ranks that had not joined;
+        #: the same on every rank), for a framework layer that finishes an Average itself (the
+        #: sparse gradients' allgather, Horovod's integer scaling). 0 until then.
+        self.divisor = 0
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
@@ -84,11 +90,13 @@ class Handle:
             return True
         return self._done
 
-    def _set_result(self, result: Any, completion: tuple[Any, int, Any] | None = None) -> None:
+    def _set_result(self, result: Any, completion: tuple[Any, int, Any] | None = None,
+                    divisor: int = 0) -> None:
         with _COMPLETING:  # the first completion wins: the watchdog may fail a handle concurrently
             if not self._done:
                 self._result = result
                 self._completion = completion
+                self.divisor = divisor
                 self._done = True
                 self._gate.release()
 
@@ -121,6 +129,11 @@ class GroupHandle:
     def done(self) -> bool:
         """True once every member has finished, successfully or not; never blocks."""
         return all(handle.done() for handle in self.handles)
+
+    @property
+    def divisor(self) -> int:
+        """:attr:`Handle.divisor` of the group (its members ran as one collective)."""
+        return self.handles[0].divisor
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """Block until every member finished; return their outputs, in the order of the inputs.

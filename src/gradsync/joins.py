@@ -1,14 +1,18 @@
-"""Join stand-ins: what a rank that called :func:`gradsync.join` contributes to the collectives
-the other ranks still run (same semantics as Horovod's join)."""
+"""The join rules: what a rank that called :func:`gradsync.join` contributes to the collectives
+the other ranks still run (same semantics as Horovod's join), and, for negotiation (the full and
+the cached path alike, :mod:`gradsync.negotiation`), which collectives cannot run beside a joined
+rank and how many ranks contribute to the others."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 
 from . import dtypes
 from .fusion import split_rows
 from .handles import Handle
-from .protocol import Kind, ReduceOp, Request
+from .protocol import Kind, ReduceOp, Request, Response
 from .queue import Entry
 
 # The identity of each reduction: what a joined rank adds without changing the result.
@@ -54,3 +58,42 @@ def _fill_identity(data: np.ndarray, request: Request) -> None:
         else:
             info = np.iinfo(np.uint8 if request.dtype == "bool" else data.dtype)
             data[...] = info.max if identity == "max" else info.min
+
+
+def refusal(request: Request, names: tuple[str, ...], world: tuple[int, ...],
+                  ranks: Iterable[int]) -> Response | None:
+    """While ``ranks`` of the set (``world[r]`` in the world's numbering, which the error gives)
+    have joined: the error response of a collective (alone, or a whole group) that cannot run
+    beside a joined rank, or None if it runs with the joined ranks' stand-ins. Refused: what the
+    Horovod namespace marks ``refuse_join`` (Horovod's semantics), and Adasum, whose pairwise
+    levels need every rank's vector (a stand-in of zeros would change the result)."""
+    if not ranks:
+        return None
+    adasum = request.kind == Kind.ALLREDUCE and request.op == ReduceOp.Adasum
+    if not (request.refuse_join or adasum):
+        return None
+    joined = sorted(world[r] for r in ranks)
+    kind = request.kind.name.lower()
+    what = f"{kind} {request.name!r}"
+    if request.group:
+        what = f"grouped {kind} {request.group!r} fails as a whole"
+    listed = f"rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} called join()"
+    if adasum:
+        return Response(request.kind, names, error=(
+            f"{what}: {listed}; op=Adasum cannot run while some ranks have joined (their vectors "
+            "are missing)"))
+    return Response(request.kind, names, error=(
+        f"{what}: {listed}; Horovod's {kind} does not run beside a joined rank (gradsync.{kind} "
+        "does: the joined rank takes part with a stand-in)"))
+
+
+def counting_contributors(responses: list[Response], size: int,
+                           joined: Iterable[int]) -> list[Response]:
+    """While ``joined`` ranks (of ``size``) have joined, every response but join's carries the
+    number of ranks that contribute (from which the coordinator takes the Average divisor of
+    ``GRADSYNC_JOIN_DIVISOR=contributors``); its ``requests`` are what the joined ranks stand in
+    for."""
+    count = len(set(joined))
+    if not count:
+        return responses
+    return [r if r.kind == Kind.JOIN else r._replace(contributors=size - count) for r in responses]

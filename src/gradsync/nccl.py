@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
+from . import dtypes
 from .errors import NcclError, NcclUnavailableError
 from .nccl_library import (  # noqa: F401 - the binding's public names, and tests' helpers
     ENV_LIBRARY,
@@ -78,7 +79,6 @@ _DTYPES = MappingProxyType({
     # 0/1 bytes; only max (logical or) and min (logical and) are meaningful, see nccl_op().
     "bool": "ncclUint8",
 })
-_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 _OPS = MappingProxyType({
     ReduceOp.Sum: "ncclSum",
     ReduceOp.Product: "ncclProd",
@@ -155,7 +155,7 @@ def nccl_dtype(dtype: str, nccl: tuple[int, int, int] | None = None) -> int:
 def averages(dtype: str, nccl: tuple[int, int, int] | None = None) -> bool:
     """Whether NCCL (version ``nccl``, default: the loaded one) averages ``dtype`` itself: ncclAvg,
     floating-point dtypes from NCCL 2.10 on. It divides by the communicator's size."""
-    return dtype in _FLOATING and (nccl or version()) >= _AVG_AND_BF16
+    return dtype in dtypes.FLOATING and (nccl or version()) >= _AVG_AND_BF16
 
 
 def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) -> int:

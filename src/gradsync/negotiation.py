@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from . import fusion
+from . import fusion, joins
 from .config import Config
 from .protocol import CycleReply, Kind, RankMessage, Request, Response
 from .response_cache import Lookup, ResponseCache, bits_from_list, bits_to_words, iter_bits, set_bits
@@ -93,7 +93,7 @@ class MessageTable:
             ready += [name for name, slots in self._requests.items()
                       if name not in ready and name not in held and self._ready(slots)]
             grouped = True  # what the join completed may hold group members
-        responses = self._responses(self._whole_groups(ready) if grouped else ready)
+        responses = self._responses(self._ready_units(ready) if grouped else ready)
         stall_error = None
         if self.inspector is not None and any(m.stall for m in messages):
             stall_error = self._inspect(messages, now)
@@ -111,10 +111,12 @@ class MessageTable:
     def _first(self, name: str) -> Request:
         return next(slot for slot in self._requests[name] if slot is not None)
 
-    def _whole_groups(self, ready: list[str]) -> list[str | tuple[str, ...]]:
-        """``ready`` with the members of each group held back until the whole group is ready, then
-        given as one tuple of names. A group whose ranks disagree on its size is given at once, with
-        every member anyone submitted, so that it fails as a whole."""
+    def _ready_units(self, ready: list[str]) -> list[str | tuple[str, ...]]:
+        """``ready`` (names ready on every rank) with the members of each group held back until the
+        whole group is ready, then given as one tuple of names. A group whose ranks disagree on
+        its size is given at once, with every member anyone submitted, so that it fails as a whole.
+        (Each rank's own :meth:`Negotiator._submitted_groups` offers a group only once it was
+        wholly submitted there.)"""
         units: list[str | tuple[str, ...]] = []
         failed: set[str] = set()  # groups given whole already, because their ranks disagreed on size
         for name in ready:
@@ -181,8 +183,9 @@ class MessageTable:
             if error is None and first.kind == Kind.BROADCAST and first.root in joined:
                 error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
                          "cannot broadcast")
-            if error is None and first.refuse_join and joined:
-                responses.append(_refused_response(first, (name,), self.world, self.joined))
+            refused = joins.refusal(first, (name,), self.world, joined) if error is None else None
+            if refused is not None:
+                responses.append(refused)
             elif error is not None:
                 responses.append(Response(first.kind, (name,), error=error))
             elif first.kind == Kind.ALLREDUCE:
@@ -200,10 +203,9 @@ class MessageTable:
                 responses.append(Response(first.kind, (name,)))
         responses.extend(fusion.plan_allreduce(allreduces, self.fusion_threshold))
         if joined:  # joined ranks need each request to stand in for it
-            responses = [r._replace(requests=tuple(representative[n] for n in r.names),
-                                    contributors=self.size - len(joined))
-                         if r.kind != Kind.JOIN else r for r in responses]
-        return tuple(responses)
+            responses = [r._replace(requests=tuple(representative[n] for n in r.names))
+                         for r in responses]
+        return tuple(joins.counting_contributors(responses, self.size, joined))
 
     def _take(self, name: str, representative: dict[str, Request]) -> tuple[list[Request | None], Request]:
         """Remove ``name`` from the table, answered: its slots, and its first request (recorded in
@@ -223,8 +225,9 @@ class MessageTable:
             first_dims.append(_first_dims(slots))
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
-        if error is None and first.refuse_join and self.joined:
-            return _refused_response(first, names, self.world, self.joined)
+        refused = joins.refusal(first, names, self.world, self.joined) if error is None else None
+        if refused is not None:
+            return refused
         if error is not None:
             kind = first.kind.name.lower()
             return Response(first.kind, names, error=f"grouped {kind} {first.group!r} fails as a whole: "
@@ -232,22 +235,6 @@ class MessageTable:
         if first.kind == Kind.ALLGATHER:
             return Response(first.kind, names, first_dims=tuple(first_dims))
         return Response(first.kind, names)
-
-
-def _refused_response(request: Request, names: tuple[str, ...], world: tuple[int, ...],
-                      ranks: Iterable[int]) -> Response:
-    """The error response of a ``refuse_join`` collective (alone, or a whole group) while ``ranks``
-    of the set (``world[r]`` in the world's numbering, which the error gives) have joined."""
-    joined = sorted(world[r] for r in ranks)
-    kind = request.kind.name.lower()
-    what = f"{kind} {request.name!r}"
-    if request.group:
-        what = f"grouped {kind} {request.group!r} fails as a whole"
-    listed = ", ".join(map(str, joined))
-    return Response(request.kind, names, error=(
-        f"{what}: rank{'s' if len(joined) > 1 else ''} {listed} called join(); Horovod's {kind} does "
-        f"not run beside a joined rank (gradsync.{kind} does: the joined rank takes part with a "
-        "stand-in)"))
 
 
 def _first_dims(slots: list[Request | None]) -> tuple[int, ...]:
@@ -336,10 +323,29 @@ class Negotiator:
         (name, 0.0, process set id), sent when a report is being made.
         """
         if self._partial or any(map(_GROUP, requests)):
-            requests = self._whole_groups(requests)
+            requests = self._submitted_groups(requests)
         if self.cache is None:
             self.full_cycles += 1
             return self._full(RankMessage(shutdown, requests, stall, pending() if stall else None))
+        uncached, invalid = self._offer(requests)
+        ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
+            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
+        for bit in iter_bits(invalid):
+            self.forget(bit)
+            self.cache.evict(bit)
+        responses = self._cached_responses(ready)
+        if not (need_full or shutdown_any or stall_any):
+            self.cached_cycles += 1
+            return CycleReply(tuple(responses))
+        self.full_cycles += 1
+        # In a stall report every rank lists its pending collectives: cached ones are not in rank 0's table.
+        reply = self._full(RankMessage(shutdown, uncached, stall, pending() if stall_any else None))
+        return reply._replace(responses=tuple(responses) + reply.responses)
+
+    def _offer(self, requests: list[Request]) -> tuple[list[Request], int]:
+        """Set the ready bits of ``requests`` that hit the response cache (waiting for the other
+        ranks from now on); return the rest, to negotiate in full (with any resent after an
+        eviction), and the bits this rank found invalid."""
         uncached, self._resend = self._resend, []
         invalid = 0
         group_hits: list[tuple[Request, int]] = []
@@ -369,21 +375,9 @@ class Negotiator:
                 else:
                     self._ready_bits |= 1 << bit
                     self._waiting[bit] = request
-        ready, invalid, need_full, shutdown_any, stall_any = self._exchange(
-            invalid, bool(uncached) or self._proposal is not None, shutdown, stall)
-        for bit in iter_bits(invalid):
-            self.forget(bit)
-            self.cache.evict(bit)
-        responses = self._cached_responses(ready)
-        if not (need_full or shutdown_any or stall_any):
-            self.cached_cycles += 1
-            return CycleReply(tuple(responses))
-        self.full_cycles += 1
-        # In a stall report every rank lists its pending collectives: cached ones are not in rank 0's table.
-        reply = self._full(RankMessage(shutdown, uncached, stall, pending() if stall_any else None))
-        return reply._replace(responses=tuple(responses) + reply.responses)
+        return uncached, invalid
 
-    def _whole_groups(self, requests: list[Request]) -> list[Request]:
+    def _submitted_groups(self, requests: list[Request]) -> list[Request]:
         """``requests`` minus the members of groups not yet wholly submitted on this rank (kept
         until their last member arrives, then given together)."""
         whole = []
@@ -450,23 +444,21 @@ class Negotiator:
             request = take(bit, None) or cached
             if request.group:  # every rank set a group's bits together, so all of them are here
                 groups.setdefault(request.group, []).append(request)
-            elif joined and request.refuse_join:
-                responses.append(_refused_response(request, (request.name,), self.world, joined))
+            elif joined and (refused := joins.refusal(request, (request.name,), self.world, joined)):
+                responses.append(refused)
             elif request.kind is allreduce:
                 allreduces.append(request)
                 sizes.append(size)
             else:
                 responses.append(Response(request.kind, (request.name,), requests=(request,)))
         self._ready_bits &= ~ready
-        responses += [_refused_response(members[0], tuple(r.name for r in members), self.world, joined)
-                      if joined and members[0].refuse_join else
-                      Response(members[0].kind, tuple(r.name for r in members), requests=tuple(members))
-                      for members in groups.values()]
+        for members in groups.values():
+            names = tuple(r.name for r in members)
+            responses.append(joins.refusal(members[0], names, self.world, joined)
+                             or Response(members[0].kind, names, requests=tuple(members)))
         responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
                                            with_requests=True)
-        if self.joined:
-            responses = [r._replace(contributors=self.size - len(self.joined)) for r in responses]
-        return responses
+        return joins.counting_contributors(responses, self.size, joined)
 
     def _full(self, message: RankMessage) -> CycleReply:
         gathered = self.comm.gather(message, root=0)

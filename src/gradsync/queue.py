@@ -49,7 +49,7 @@ class Entry:
     stream: Any = None
 
 
-# True inside a blocking op (ops.blocking): its thread waits for what it pushes at once, so the
+# True inside a blocking op (submission.blocking): its thread waits for what it pushes at once, so the
 # push is urgent and the coordinator cycles without waiting to batch more requests.
 WAITING: contextvars.ContextVar[bool] = contextvars.ContextVar("gradsync_waiting", default=False)
 

@@ -127,3 +127,21 @@ def test_a_rank_count_that_is_not_a_power_of_two_is_refused():
         pytest.skip(f"{n} is a power of two")
     with pytest.raises(NotImplementedError, match="power-of-two"):
         gradsync.allreduce(np.ones(3), op=gradsync.Adasum)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["negotiated", "cached"])
+def test_adasum_beside_a_joined_rank_fails_on_every_rank(case, cached):
+    """The last rank joins; the others' Adasum allreduce fails with one CollectiveError (a stand-in
+    of zeros would change the result), negotiated in full or hit in the response cache."""
+    power_of_two()
+    n, r = gradsync.size(), gradsync.rank()
+    if n == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+    if cached:  # every rank runs it once, so that the second time is a cache hit
+        gradsync.allreduce(np.ones(3), name=case, op=gradsync.Adasum)
+    if r == n - 1:
+        gradsync.join()
+        return
+    with pytest.raises(gradsync.CollectiveError, match=r"op=Adasum cannot run .* joined"):
+        gradsync.allreduce(np.ones(3), name=case, op=gradsync.Adasum)
+    gradsync.join()

@@ -445,24 +445,25 @@ def test_an_alltoall_whose_ranks_disagree_on_the_trailing_shape_fails_on_every_r
 
 class _Recorder:
     """The names of every response the coordinator executes. Pins internals: it wraps the
-    coordinator's ``_execute``, and submits hand-built ``Entry`` objects (below), because the
-    public API cannot submit part of a group."""
+    coordinator's response execution (``coordinator.execution.run``, every cycle's responses),
+    and submits hand-built ``Entry`` objects (below), because the public API cannot submit part
+    of a group."""
 
     def __init__(self) -> None:
         self.coordinator = gs.runtime.get().coordinator
         self.executed: list[tuple[str, ...]] = []
-        self._execute = self.coordinator._execute
+        self._run = self.coordinator.execution.run
 
     def __enter__(self):
-        def recording(responses, replied_ns):  # one response, or a batch of device allreduces
+        def recording(responses, replied_ns):
             self.executed.extend(response.names for response in responses)
-            self._execute(responses, replied_ns)
+            return self._run(responses, replied_ns)
 
-        self.coordinator._execute = recording
+        self.coordinator.execution.run = recording
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.coordinator._execute
+        del self.coordinator.execution.run
 
 
 def _group_entries(group: str, tensors: list[np.ndarray], rank: int) -> list:

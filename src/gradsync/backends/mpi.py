@@ -166,6 +166,13 @@ class MpiBackend:
             requests += [self.comm.Isend(c, dest=peer, tag=i) for i, c in enumerate(self._chunks(part))]
         MPI.Request.Waitall(requests)
 
+    def sendrecv(self, send: np.ndarray, receive: np.ndarray, partner: int) -> None:
+        """MPI_Sendrecv with rank ``partner``: ``send`` goes to it while its message of the same
+        length arrives in ``receive`` (both contiguous 1-d, one dtype; chunked as :meth:`allreduce`).
+        Adasum's pairwise levels (:func:`gradsync.adasum.reduce`)."""
+        for i, (out, into) in enumerate(zip(self._chunks(send), self._chunks(receive))):
+            self.comm.Sendrecv(out, dest=partner, sendtag=i, recvbuf=into, source=partner, recvtag=i)
+
     def close(self) -> None:
         """Free the topology communicators this backend owns (after the coordinator stopped)."""
         for comm in (self.local, self.cross):

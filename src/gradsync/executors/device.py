@@ -261,7 +261,7 @@ class DeviceExecutor:
             send = (runtime.flat(entries[0].source) if plan.in_place
                     else runtime.empty(device, plan.dtype, plan.count))
             fusion.pack(plan, memory, send)
-            receive = (runtime.flat(entries[0].target) if len(entries) == 1
+            receive = (runtime.flat(entries[0].target) if plan.received_in_output
                        else runtime.empty(device, plan.dtype, sum(plan.counts)))
             backend.allgather(runtime, device, stream, send, receive, plan.dtype, list(plan.counts))
             fusion.unpack(plan, memory, receive)

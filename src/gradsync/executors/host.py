@@ -1,5 +1,8 @@
 """The host executor: plans of host (numpy) memory, run with blocking MPI collectives.
 
+An allreduce whose op is Adasum runs :func:`gradsync.adasum.reduce` (pairwise MPI_Sendrecv levels
+on the backend's communicator) in place of MPI_Allreduce, on the plan's float64 buffer.
+
 Only the thread running the coordinator's cycle calls it (it owns the backend's communicators).
 Fusion buffers are reused from cycle to cycle, one per accumulator dtype, plus a second set for
 what reducescatter and a grouped allgather receive.
@@ -12,11 +15,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import fusion
+from .. import adasum, fusion
 from ..backends.mpi import MpiBackend
 from ..fusion import FusionPlan
 from ..memory import HOST
-from ..protocol import Kind, Response
+from ..protocol import Kind, ReduceOp, Response
 from . import Executed
 
 Phases = list[tuple[str, int]]
@@ -57,7 +60,11 @@ class HostExecutor:
         buffer = self._send_buffer(plan, plan.entries[0].target)
         fusion.pack(plan, HOST, buffer)
         phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
-        self.backend.allreduce(buffer, plan.reduction.send_op, plan.reduction.logical)
+        if plan.reduction.send_op == ReduceOp.Adasum:
+            received = self._received.get(plan.dtype, plan.count)
+            adasum.reduce(buffer, received, plan.bounds, self.rank, self.size, self.backend.sendrecv)
+        else:
+            self.backend.allreduce(buffer, plan.reduction.send_op, plan.reduction.logical)
         phases.append(("ALLREDUCE", time.perf_counter_ns()))
         fusion.unpack(plan, HOST, buffer)
         if plan.unpacks:
@@ -86,9 +93,9 @@ class HostExecutor:
         _allocate(plan)
         send = self._send_buffer(plan, plan.entries[0].source)
         fusion.pack(plan, HOST, send)
-        lone = len(plan.entries) == 1
         total = sum(plan.counts)
-        receive = HOST.flat(plan.entries[0].target) if lone else self._received.get(plan.dtype, total)
+        receive = (HOST.flat(plan.entries[0].target) if plan.received_in_output
+                   else self._received.get(plan.dtype, total))
         self.backend.allgather(send, receive, [n * plan.dtype.itemsize for n in plan.counts])
         fusion.unpack(plan, HOST, receive)
         return [("ALLGATHER", time.perf_counter_ns())]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import runtime
+from .. import adasum, runtime
 from ..compression import Compression, Compressor
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
@@ -90,10 +90,7 @@ def pick_strategy(args: Arguments, rank: int) -> GradientReducer:
 def _check_adasum(args: Arguments, rank: int) -> None:
     """Refuse what Adasum cannot do: a number of ranks that is not a power of two (as Horovod's),
     or a communication hook (Adasum combines updates, a hook reduces gradients)."""
-    size = args.process_set.size()
-    if size & (size - 1):
-        raise NotImplementedError(f"gradsync: rank {rank}: op=Adasum needs a power-of-two number of "
-                                  f"ranks (as Horovod's), but {args.process_set} has {size}")
+    adasum.check_ranks(args.process_set.size(), f"gradsync: rank {rank}: {args.process_set}")
     if args.comm_hook is not None:
         raise ValueError(f"gradsync: rank {rank}: comm_hook={args.comm_hook!r} with op=Adasum: Adasum "
                          "combines the ranks' updates, not their gradients; use one or the other")

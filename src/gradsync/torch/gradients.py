@@ -29,7 +29,7 @@ from .. import ops, runtime
 from ..compression import Compressor
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
-from .mpi_ops import sparse_allreduce_async
+from .collectives import sparse_allreduce_async
 from .parameter_check import check_same_model, parameter_specs
 
 DENSE = 1  # layout codes exchanged between ranks; a sparse gradient is DENSE + its sparse_dim

@@ -6,7 +6,7 @@ does differently from gradsync's core ops, and these functions therefore do too:
 
 * ``average=`` (deprecated in Horovod, still accepted): True is ``op=Average``, False ``op=Sum``;
   ``op=None`` means Average.
-* Integer tensors are scaled as Horovod scales them: ``Average`` is the sum times ``1/size`` in
+* Integer tensors are scaled as Horovod scales them: ``Average`` is the sum times ``1/divisor`` in
   float64, truncated toward zero (gradsync's core rounds down), and pre/postscale factors apply to
   integers too (in float64, truncated), where gradsync's core refuses them.
 * ``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``,
@@ -31,7 +31,7 @@ raised where gradsync raises them: bad input at the call, disagreement between r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,106 +42,17 @@ from ..ops import poll, synchronize
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from . import basics as _basics
+from .alltoall import HorovodAlltoall, alltoall, alltoall_async
 from .basics import *  # noqa: F403 - Horovod's mpi_ops exports the basics too
-from .basics import Adasum, Average, Sum, handle_average_backwards_compatibility, rank
+from .basics import Average, Sum, handle_average_backwards_compatibility, rank
+from .collectives import grad_name, reduce_async, sparse_allreduce_async
 from .compression import Compression
 
-_INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _NONE6 = (None,) * 6
 
 
-class _Finishing:
-    """A gradsync handle and the step that turns its result into Horovod's (integer scaling, the
-    copy back to the GPU or into an in-place tensor, received splits in their dtype). Works with
-    :func:`synchronize` and :func:`poll` like the handle itself."""
-
-    __slots__ = ("name", "_handle", "_finish", "_result", "_finished")
-
-    def __init__(self, handle: Handle | GroupHandle, finish: Callable[[Any], Any]) -> None:
-        self.name = handle.name
-        self._handle, self._finish = handle, finish
-        self._result, self._finished = None, False
-
-    def done(self) -> bool:
-        """True once the collective has finished; never blocks."""
-        return self._handle.done()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The collective's result as Horovod returns it; raises as :meth:`Handle.wait`."""
-        if not self._finished:
-            self._result = self._finish(self._handle.wait(timeout))
-            self._finished = True
-        return self._result
-
-
-def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """Horovod's integer scaling: multiplied in float64, truncated back to the dtype."""
-    return (tensor.double() * factor).to(tensor.dtype)
-
-
-def _grad_name(name: str) -> str:
-    return f"{name}.grad"
-
-
 # ---- reductions (allreduce, grouped allreduce, reducescatter, grouped reducescatter) -------------
-
-def _core_reduce(inputs: list, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                 in_place: bool, process_set: ProcessSet, scatter: bool, grouped: bool):
-    if scatter:
-        with ops.refusing_join():  # Horovod's reducescatter fails beside a joined rank
-            if grouped:
-                return ops.grouped_reducescatter_async(inputs, name, op, prescale, postscale, process_set)
-            return ops.reducescatter_async(inputs[0], name, op, prescale, postscale, process_set)
-    if grouped:
-        call = ops.grouped_allreduce_async_ if in_place else ops.grouped_allreduce_async
-        return call(inputs, name, op, prescale, postscale, process_set)
-    call = ops.allreduce_async_ if in_place else ops.allreduce_async
-    return call(inputs[0], name, op, prescale, postscale, process_set)
-
-
-def _reduce(tensors: Sequence[Any], in_place: bool, name: str | None, op: Any, prescale: float,
-            postscale: float, process_set: ProcessSet, scatter: bool = False,
-            grouped: bool = False):
-    """Start a reduction with Horovod's integer scaling and GPU staging (module docstring)."""
-    tensors = list(tensors)
-    first = tensors[0] if tensors and isinstance(tensors[0], torch.Tensor) else None
-    device = first.device if first is not None else None
-    stage = device is not None and device.type == "cuda" and (scatter or op == Adasum)
-    integer = first is not None and first.dtype in _INTEGER and (
-        op == Average or prescale != 1.0 or postscale != 1.0)
-    core_op, tail, inputs = op, 1.0, tensors
-    if integer:
-        core_op = Sum if op == Average else op
-        tail = postscale / process_set.size() if op == Average else postscale
-        if prescale != 1.0:
-            inputs = [_scaled(t, prescale) for t in tensors]
-        prescale = postscale = 1.0
-    if stage:
-        inputs = [t.cpu() for t in inputs]
-    core_in_place = in_place and all(a is b for a, b in zip(inputs, tensors))
-    handle = _core_reduce(inputs, name, core_op, prescale, postscale, core_in_place, process_set,
-                          scatter, grouped)
-    if tail == 1.0 and not stage and core_in_place == in_place:
-        return handle
-
-    def finish(result: Any) -> Any:
-        outputs = [_finish_one(t, r, tail, in_place)
-                   for t, r in zip(tensors, result if grouped else [result])]
-        return outputs if grouped else outputs[0]
-
-    return _Finishing(handle, finish)
-
-
-def _finish_one(tensor: torch.Tensor, result: torch.Tensor, tail: float,
-                in_place: bool) -> torch.Tensor:
-    if tail != 1.0:
-        result = _scaled(result, tail)
-    if result.device != tensor.device:
-        result = result.to(tensor.device)
-    if in_place and result is not tensor:
-        return tensor.copy_(result)
-    return result
-
+# reduce_async (gradsync.torch.collectives): Horovod's integer scaling and GPU staging.
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
@@ -163,7 +74,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             that is not a power of two. CollectiveError (from synchronize): ranks disagree.
     """
     op = handle_average_backwards_compatibility(op, average)
-    return _reduce([tensor], False, name, op, prescale_factor, postscale_factor, process_set)
+    return reduce_async([tensor], False, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -173,7 +84,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """In-place :func:`allreduce_async` (``horovod.torch.allreduce_async_``): the result is written
     into ``tensor``; do not touch it until the handle completes. Same arguments and errors."""
     op = handle_average_backwards_compatibility(op, average)
-    return _reduce([tensor], True, name, op, prescale_factor, postscale_factor, process_set)
+    return reduce_async([tensor], True, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -202,7 +113,7 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         average, op, prescale, postscale, process_set = ctx.args
-        grad = allreduce(grad_output.contiguous(), average, _grad_name(ctx.name), op=op,
+        grad = allreduce(grad_output.contiguous(), average, grad_name(ctx.name), op=op,
                          prescale_factor=prescale, postscale_factor=postscale,
                          process_set=process_set)
         return (grad, *_NONE6)
@@ -234,7 +145,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     dtype, negotiated and fused together, all-or-nothing on error). Arguments as
     :func:`allreduce_async`; :func:`synchronize` returns the list of results."""
     op = handle_average_backwards_compatibility(op, average)
-    return _reduce(tensors, False, name, op, prescale_factor, postscale_factor, process_set,
+    return reduce_async(tensors, False, name, op, prescale_factor, postscale_factor, process_set,
                    grouped=True)
 
 
@@ -244,7 +155,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> GroupHandle:
     """In-place :func:`grouped_allreduce_async` (``horovod.torch.grouped_allreduce_async_``)."""
     op = handle_average_backwards_compatibility(op, average)
-    return _reduce(tensors, True, name, op, prescale_factor, postscale_factor, process_set,
+    return reduce_async(tensors, True, name, op, prescale_factor, postscale_factor, process_set,
                    grouped=True)
 
 
@@ -275,7 +186,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def backward(ctx, *grad_output):
         average, op, prescale, postscale, process_set = ctx.args
         grads = grouped_allreduce([g.contiguous() for g in grad_output], average,
-                                  _grad_name(ctx.name), op=op, prescale_factor=prescale,
+                                  grad_name(ctx.name), op=op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=process_set)
         return (*_NONE6, *grads)
 
@@ -293,37 +204,6 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     reduced = HorovodGroupedAllreduce.apply(None, name, op, prescale_factor, postscale_factor,
                                             process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
-
-
-def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
-    """Start the reduction of a sparse COO tensor by allgathering its indices and values
-    (``horovod.torch.sparse_allreduce_async``).
-
-    Returns a function that waits and returns the sparse sum over ranks (uncoalesced: every
-    rank's entries, in rank order; divided by the set's size for ``op=Average``), of
-    ``tensor``'s shape. The indices are allgathered as ``name.indices``, the values as
-    ``name.values``.
-
-    Raises:
-        TypeError: ``tensor`` is not sparse. Others as :func:`gradsync.allgather_async`.
-    """
-    if tensor.layout != torch.sparse_coo:
-        raise TypeError(f"gradsync: rank {rank()}: sparse_allreduce_async {name!r}: expected a sparse "
-                        f"COO tensor, got layout {tensor.layout}")
-    indices = ops.allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices",
-                                  process_set=process_set)
-    values = ops.allgather_async(tensor._values().contiguous(), name=f"{name}.values",
-                                 process_set=process_set)
-
-    def handle() -> torch.Tensor:
-        gathered = synchronize(values)
-        if op == Average:
-            gathered = gathered / process_set.size()
-        return torch.sparse_coo_tensor(synchronize(indices).t(), gathered, tensor.shape,
-                                       check_invariants=False)
-
-    return handle
 
 
 # ---- allgather, broadcast --------------------------------------------------------------------------
@@ -360,7 +240,7 @@ def _own_rows(name: str, grads: Sequence[torch.Tensor], dims: Sequence[int],
               process_set: ProcessSet) -> list[torch.Tensor]:
     """This rank's rows of each averaged gradient of a (grouped) allgather: the averages in one
     grouped allreduce, every rank's first dimensions in one allgather."""
-    averaged = ops.grouped_allreduce([g.contiguous() for g in grads], _grad_name(name),
+    averaged = ops.grouped_allreduce([g.contiguous() for g in grads], grad_name(name),
                                      op=Average, process_set=process_set)
     every = ops.allgather(torch.tensor([list(dims)], dtype=torch.int64), f"{name}.grad.dims",
                           process_set=process_set)
@@ -449,7 +329,7 @@ class HorovodBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ops.allreduce(grad_output.contiguous(), _grad_name(ctx.name), op=Average,
+        grad = ops.allreduce(grad_output.contiguous(), grad_name(ctx.name), op=Average,
                              process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
@@ -462,80 +342,6 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     (``horovod.torch.broadcast``); as :func:`broadcast_async`. The gradient is the averaged output
     gradient on the root, zeros elsewhere."""
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
-
-
-# ---- alltoall -------------------------------------------------------------------------------------
-
-def _split_values(splits: Any, where: str) -> Any:
-    """``splits`` as gradsync takes them; Horovod's error for splits that are not integers."""
-    if isinstance(splits, torch.Tensor) and (splits.dtype.is_floating_point or splits.is_complex()
-                                             or splits.dtype == torch.bool):
-        raise ValueError(f"{where}: splits must hold integers (Horovod: int32), got {splits.dtype}")
-    return splits.cpu() if isinstance(splits, torch.Tensor) else splits
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Handle:
-    """Start an alltoall (``horovod.torch.alltoall_async``; MPI_Alltoallv along dimension 0).
-
-    ``splits``: rows for each rank of the set (a sequence or an integer tensor, on any device);
-    None splits evenly. :func:`synchronize` returns ``(output, received_splits)``, the received
-    splits as a tensor of ``splits``'s dtype and device (int32 on the CPU when ``splits`` is not a
-    tensor). CUDA tensors are staged through host memory.
-
-    Raises:
-        ValueError: floating-point splits; splits of the wrong length, negative, or not summing
-            to ``shape[0]``; ``shape[0]`` not divisible by the set's size with splits=None.
-            Others as :func:`gradsync.alltoall_async`.
-    """
-    values = _split_values(splits, f"gradsync: rank {rank()}: alltoall of tensor "
-                                   f"{'(unnamed)' if name is None else repr(name)}")
-    device = tensor.device if isinstance(tensor, torch.Tensor) else None
-    host = tensor.cpu() if device is not None and device.type == "cuda" else tensor
-    with ops.refusing_join():  # Horovod's alltoall fails beside a joined rank
-        handle = ops.alltoall_async(host, values, name, process_set)
-    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
-
-    def finish(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        output, received = result
-        if device is not None and output.device != device:
-            output = output.to(device)
-        return output, received.to(dtype=like.dtype, device=like.device)
-
-    return _Finishing(handle, finish)
-
-
-class HorovodAlltoall(torch.autograd.Function):
-    """Alltoall as an autograd function: the gradient is the alltoall of the output's gradient back
-    along the received splits (Horovod's). Returns the output alone when ``splits`` is None."""
-
-    @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
-        with ops.blocking(process_set):
-            handle = alltoall_async(tensor, splits, name, process_set)
-            output, received = synchronize(handle)
-        ctx.name, ctx.process_set, ctx.recvsplits = handle.name, process_set, received
-        if splits is None:
-            return output
-        ctx.mark_non_differentiable(received)
-        return output, received
-
-    @staticmethod
-    def backward(ctx, grad_output, *unused):
-        grad, _ = alltoall(grad_output.contiguous(), ctx.recvsplits, _grad_name(ctx.name),
-                           ctx.process_set)
-        return grad, None, None, None
-
-
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Alltoall ``tensor``, differentiably (``horovod.torch.alltoall``): as :func:`alltoall_async`.
-
-    Returns:
-        ``(output, received_splits)``, or ``output`` alone when ``splits`` is None (Horovod's).
-    """
-    return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
 # ---- reducescatter --------------------------------------------------------------------------------
@@ -552,7 +358,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         NotImplementedError: ``op=Adasum`` (a RuntimeError, as Horovod's). ValueError: a 0-d
             tensor. Others as :func:`allreduce_async`.
     """
-    return _reduce([tensor], False, name, op, prescale_factor, postscale_factor, process_set,
+    return reduce_async([tensor], False, name, op, prescale_factor, postscale_factor, process_set,
                    scatter=True)
 
 
@@ -572,7 +378,7 @@ class HorovodReducescatter(torch.autograd.Function):
     def backward(ctx, grad_output):
         op, process_set, factor = ctx.args
         grad = _scatter_grad(grad_output, op, process_set, factor)
-        return ops.allgather(grad, _grad_name(ctx.name), process_set), *(None,) * 5
+        return ops.allgather(grad, grad_name(ctx.name), process_set), *(None,) * 5
 
 
 def _scatter_grad(grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet,
@@ -602,7 +408,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """Start a reducescatter of every tensor of ``tensors`` as one unit
     (``horovod.torch.grouped_reducescatter_async``; see :func:`gradsync.grouped_reducescatter_async`);
     arguments and errors as :func:`reducescatter_async`."""
-    return _reduce(tensors, False, name, op, prescale_factor, postscale_factor, process_set,
+    return reduce_async(tensors, False, name, op, prescale_factor, postscale_factor, process_set,
                    scatter=True, grouped=True)
 
 
@@ -623,7 +429,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def backward(ctx, *grad_output):
         op, process_set, factor = ctx.args
         grads = [_scatter_grad(g, op, process_set, factor) for g in grad_output]
-        return (*(None,) * 5, *synchronize(grouped_allgather_async(grads, _grad_name(ctx.name),
+        return (*(None,) * 5, *synchronize(grouped_allgather_async(grads, grad_name(ctx.name),
                                                                    process_set)))
 
 

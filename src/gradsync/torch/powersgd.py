@@ -153,9 +153,12 @@ class PowerSGD:
         self.traffic = Traffic(bucket.step, self.traffic.sent + sent, self.traffic.dense + dense)
 
     def finish(self, bucket: Bucket, matrices: list[Matrix], ms: list[torch.Tensor],
-               ps: list[torch.Tensor]) -> torch.Tensor:
+               ps: list[torch.Tensor], divisor: int) -> torch.Tensor:
         """The second half, once the Ps are averaged: orthogonalise them, allreduce the Qs, write
-        each approximation into the buffer and keep the errors and Qs."""
+        each approximation into the buffer and keep the errors and Qs. For ``op=Sum`` the averaged
+        buffer is multiplied back by ``divisor``, the divisor the core averaged the first half
+        with (:attr:`gradsync.Handle.divisor`: the set's size, or the ranks that had not joined
+        with ``GRADSYNC_JOIN_DIVISOR=contributors``)."""
         for p in ps:
             orthogonalize_(p, self.epsilon)
         qs = [m.t() @ p for m, p in zip(ms, ps)]
@@ -168,7 +171,7 @@ class PowerSGD:
             m.copy_(approximation)
             self.qs[(bucket.name, x.slot)] = q
         if bucket.op == ReduceOp.Sum:
-            bucket.buffer.mul_(bucket.process_set.size())
+            bucket.buffer.mul_(divisor)
         return bucket.buffer
 
     def state_dict(self) -> dict:
@@ -198,7 +201,7 @@ class _SecondHalf:
 
     def wait(self) -> torch.Tensor:
         self.first.wait()
-        return self.hook.finish(self.bucket, self.matrices, self.ms, self.ps)
+        return self.hook.finish(self.bucket, self.matrices, self.ms, self.ps, self.first.divisor)
 
 
 def orthogonalize_(p: torch.Tensor, epsilon: float) -> None:

@@ -229,7 +229,7 @@ class AdasumDeltas(GradientReducer):
         allreduce per dtype (after ``compression``), on host memory (CUDA tensors are staged);
         every rank submits them whatever its gradients (a parameter without one has a zero
         update)."""
-        from .mpi_ops import grouped_allreduce_async_
+        from .collectives import grouped_allreduce_async_
 
         params = list(self.names)
         with torch.no_grad():
