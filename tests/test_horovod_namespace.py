@@ -176,7 +176,7 @@ def test_the_core_namespace_keeps_its_own_allreduce():
 
 
 def test_elastic_has_horovods_names_and_signatures():
-    assert sorted(hvd.elastic.__all__) == ["ElasticSampler", "TorchState", "run"]
+    assert sorted(hvd.elastic.__all__) == ["ElasticSampler", "HostsUpdatedInterrupt", "TorchState", "run"]
     assert parameters(hvd.elastic.run) == [("func", R)]
     assert parameters(hvd.elastic.TorchState) == [("model", None), ("optimizer", None)]
     assert parameters(hvd.elastic.ElasticSampler) == [("dataset", R), ("shuffle", True), ("seed", 0)]

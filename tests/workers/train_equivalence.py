@@ -55,15 +55,15 @@ def make_optimizer(model: torch.nn.Module, settings: Settings) -> torch.optim.Op
 
 
 class _Responses:
-    """The names of every response the coordinator executes. Pins an internal: it wraps the
-    coordinator's ``_execute``."""
+    """The names of every response the coordinator executes: it wraps ``run`` of the
+    coordinator's response execution (``Coordinator.execution``)."""
 
     def __init__(self) -> None:
-        self.coordinator = gradsync.runtime.get().coordinator
+        self.execution = gradsync.runtime.get().coordinator.execution
         self.executed: list[tuple[str, ...]] = []
-        execute = self.coordinator._execute
-        self.coordinator._execute = lambda responses, replied_ns: (
-            self.executed.extend(response.names for response in responses), execute(responses, replied_ns))
+        run = self.execution.run
+        self.execution.run = lambda responses, replied_ns: (
+            self.executed.extend(response.names for response in responses), run(responses, replied_ns))[1]
 
     def take_gradients(self) -> list[tuple[str, ...]]:
         grads = [names for names in self.executed if names[0].startswith("grad.")]
@@ -71,7 +71,7 @@ class _Responses:
         return grads
 
     def close(self) -> None:
-        del self.coordinator._execute
+        del self.execution.run
 
 
 def train(settings: Settings) -> Outcome:
