@@ -61,7 +61,7 @@ def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
 def _jobs():
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
-        for framework in ("torch", "jax", "lightning"):
+        for framework in ("torch", "jax", "lightning", "tensorflow"):
             if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
                 marks.append(getattr(pytest.mark, framework))
         plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
