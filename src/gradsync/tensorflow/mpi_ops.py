@@ -25,8 +25,9 @@ along the received splits; reducescatter's the allgather of the gradient, times 
 ``Sum`` and times the scale factors.
 
 Differences from Horovod: integer ``Average`` is the floor of the mean (Horovod truncates toward
-zero); errors raised while the op runs (the ranks disagree on a shape) reach the caller as a
-``tf.errors.OpError`` whose message is gradsync's; ``device_dense``/``device_sparse`` are accepted
+zero); an error raised while the op runs (the ranks disagree on a shape) reaches the caller as
+gradsync's own exception eagerly, and inside a tf.function as a ``tf.errors.OpError`` whose message
+is gradsync's; ``device_dense``/``device_sparse`` are accepted
 and ignored (gradsync moves host memory; a GPU tensor is copied through the host).
 """
 
@@ -90,8 +91,9 @@ def _grad_name(name: str | None) -> str | None:
 def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
           dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
     """One stateful ``tf.numpy_function`` running ``on_host`` (numpy inputs -> list of numpy
-    results of ``dtypes``), its outputs given the static ``shapes`` known when tracing."""
-    outputs = tf.numpy_function(lambda *arrays: on_host(*arrays), list(inputs), list(dtypes),
+    results of ``dtypes``), its outputs given the static ``shapes`` known when tracing. (A 0-d
+    input reaches a numpy_function as a numpy scalar: made a 0-d array again for the core.)"""
+    outputs = tf.numpy_function(lambda *arrays: on_host(*map(np.asarray, arrays)), list(inputs), list(dtypes),
                                 stateful=True, name=f"Gradsync{kind.title().replace('_', '')}")
     if not isinstance(outputs, (list, tuple)):  # one output comes back bare, eagerly
         outputs = [outputs]
@@ -196,7 +198,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     Raises:
         ValueError: both ``average`` and ``op``, or an unknown ``op``. Errors of
         :func:`gradsync.allreduce` (a dtype gradsync does not reduce, ranks that disagree) when
-        the op runs, as a ``tf.errors.OpError`` carrying gradsync's message.
+        the op runs: eagerly as they are, in a tf.function as a ``tf.errors.OpError`` carrying
+        gradsync's message.
     """
     op = reduce_op(op, average, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
