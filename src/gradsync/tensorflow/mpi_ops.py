@@ -324,7 +324,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
-             process_set: ProcessSet = global_process_set) -> tuple[tf.Tensor, tf.Tensor]:
+             process_set: ProcessSet = global_process_set) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` to each rank r, receive every rank's rows for this one
     (``horovod.tensorflow.alltoall``; MPI_Alltoallv along dimension 0).
 
@@ -334,9 +334,10 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
             integer tensor, which may be computed in the graph); None: an even split.
 
     Returns:
-        ``(output, received_splits)``: the rows received from rank 0, then rank 1, ...; and how
-        many came from each rank (int32, shape ``(size,)``). Differentiable in ``tensor``: the
-        gradient is the alltoall of the output's gradient back along ``received_splits``.
+        With ``splits``: ``(output, received_splits)``, the rows received from rank 0, then rank 1,
+        ...; and how many came from each rank (int32, shape ``(size,)``). Without: the output
+        alone (Horovod's). Differentiable in ``tensor``: the gradient is the alltoall of the
+        output's gradient back along the received splits.
 
     Raises:
         ValueError: a 0-d tensor. tf.errors.OpError: bad splits (gradsync's message).
@@ -355,7 +356,8 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
             return tf.reshape(back, tf.shape(x))
         return (output, received), grad
 
-    return exchange(tensor)
+    output, received = exchange(tensor)
+    return output if splits is None else (output, received)
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
