@@ -136,17 +136,19 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  
     as tape:``). The result is a ``tf.GradientTape`` (a subclass) sharing ``gradtape``'s
     recording; ``gradtape`` itself is unchanged.
 
+    ``compression``, ``sparse_as_dense``, ``op``, ``gradient_predivide_factor`` and
+    ``process_set`` are those of :func:`allreduce_gradients`; ``device_dense``, ``device_sparse``,
+    ``num_groups`` and ``groups`` are accepted for Horovod's signature (gradsync fuses every dense
+    gradient of a dtype into one group already).
+
     Args:
-        compression, sparse_as_dense, op, gradient_predivide_factor, process_set: as
-            :func:`allreduce_gradients`.
-        device_dense, device_sparse, num_groups, groups: accepted for Horovod's signature;
-            gradsync fuses every dense gradient of a dtype into one group already.
+        gradtape: the ``tf.GradientTape`` to wrap.
         scale_local_gradients: divide the gradients of local sources
             (:func:`PartialDistributedGradientTape`) by the set's size (Horovod's default True).
 
     Raises:
-        TypeError: ``gradtape`` is not a ``tf.GradientTape``. ValueError: as
-        :func:`allreduce_gradients`.
+        TypeError: ``gradtape`` is not a ``tf.GradientTape``.
+        ValueError: as :func:`allreduce_gradients`.
     """
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"gradsync: rank {runtime.get().rank}: DistributedGradientTape wraps a "
@@ -198,7 +200,9 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     assigned. ``inplace`` is accepted for Horovod's signature.
 
     Raises:
-        tf.errors.OpError: ``root_rank`` not a rank of the set, or the ranks disagree on a shape.
+        ValueError: ``root_rank`` not a rank of the set (eagerly; in a tf.function as a
+            ``tf.errors.OpError`` with gradsync's message).
+        gradsync.CollectiveError: the ranks disagree on a shape (the same).
     """
     variables = list(variables)
     values = [tf.convert_to_tensor(v) for v in variables]

@@ -181,12 +181,13 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
             (values and indices), its values divided by the set's size for ``Average``, as Horovod
             does.
         average: Horovod's deprecated form of ``op`` (True: Average, False: Sum).
-        device_dense, device_sparse: accepted for Horovod's signature; unused.
+        device_dense: accepted for Horovod's signature; unused.
+        device_sparse: the same.
         compression: ``Compression.none`` (default) or ``Compression.fp16``/``bf16``: the tensor
             crosses the wire in that dtype.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
-        prescale_factor, postscale_factor: multiply the input before and the result after the
-            reduction (floating dtypes).
+        prescale_factor: multiplies the input before the reduction (floating dtypes).
+        postscale_factor: multiplies the result after it (floating dtypes).
         name: the collective's name, the same on every rank (module docstring for unnamed ones).
         process_set: the ranks that take part (default: every rank).
         ignore_name_scope: in a tf.function, do not prefix ``name`` with the current name scope.
@@ -196,10 +197,10 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         Differentiable: the gradient is the same allreduce of the output's gradient.
 
     Raises:
-        ValueError: both ``average`` and ``op``, or an unknown ``op``. Errors of
-        :func:`gradsync.allreduce` (a dtype gradsync does not reduce, ranks that disagree) when
-        the op runs: eagerly as they are, in a tf.function as a ``tf.errors.OpError`` carrying
-        gradsync's message.
+        ValueError: both ``average`` and ``op``, or an unknown ``op``.
+        gradsync.CollectiveError: the errors of :func:`gradsync.allreduce` (a dtype gradsync does
+            not reduce, ranks that disagree) when the op runs: eagerly as they are, in a
+            tf.function as a ``tf.errors.OpError`` with gradsync's message.
     """
     op = reduce_op(op, average, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
@@ -245,7 +246,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     gradient is the same grouped allreduce of the outputs' gradients).
 
     Raises:
-        ValueError, tf.errors.OpError: as :func:`allreduce`.
+        ValueError: as :func:`allreduce`.
+        gradsync.CollectiveError: as :func:`allreduce`.
     """
     op = reduce_op(op, average, "grouped_allreduce")
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
@@ -274,7 +276,9 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     gradient is this rank's rows of the averaged output gradient.
 
     Raises:
-        ValueError: a 0-d tensor. tf.errors.OpError: the ranks disagree on dtype or trailing shape.
+        ValueError: a 0-d tensor.
+        gradsync.CollectiveError: the ranks disagree on dtype or trailing shape, when the op
+            runs: eagerly as it is, in a tf.function as a ``tf.errors.OpError`` with its message.
     """
     tensor = tf.convert_to_tensor(tensor)
     name = _name(name, "allgather", tensor, ignore_name_scope)
@@ -302,8 +306,9 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     zeros elsewhere.
 
     Raises:
-        tf.errors.OpError: ``root_rank`` not a rank of the set, or the ranks disagree on shape or
-        dtype (gradsync's message).
+        ValueError: ``root_rank`` not a rank of the set, when the op runs: eagerly as it is, in
+            a tf.function as a ``tf.errors.OpError`` with its message.
+        gradsync.CollectiveError: the ranks disagree on shape or dtype (the same).
     """
     tensor = tf.convert_to_tensor(tensor)
     name = _name(name, "broadcast", tensor, ignore_name_scope)
@@ -340,7 +345,9 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
         output's gradient back along the received splits.
 
     Raises:
-        ValueError: a 0-d tensor. tf.errors.OpError: bad splits (gradsync's message).
+        ValueError: a 0-d tensor; bad splits (wrong length, negative, not summing to dimension
+            0), when the op runs: eagerly as they are, in a tf.function as a ``tf.errors.OpError``
+            with gradsync's message.
     """
     tensor = tf.convert_to_tensor(tensor)
     name = _name(name, "alltoall", tensor, ignore_name_scope)
@@ -373,7 +380,8 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     times the set's size for ``Sum`` and times the scale factors (Horovod's).
 
     Raises:
-        ValueError: a 0-d tensor, an unknown ``op``. tf.errors.OpError: as :func:`allreduce`.
+        ValueError: a 0-d tensor, an unknown ``op``.
+        gradsync.CollectiveError: as :func:`allreduce`.
     """
     op = reduce_op(op, None, "reducescatter")
     compressed, context = compression.compress(tf.convert_to_tensor(tensor))
