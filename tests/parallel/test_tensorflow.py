@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from reference import Sum, all_inputs, assert_array, make, reference_allreduce, rows_of
 
 import gradsync
 
@@ -21,44 +22,10 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
 
-def rank_data(rank, shape, dtype, seed=0):
-    """This test's input on ``rank``: every rank can compute every rank's, for the references."""
-    rng = np.random.default_rng(1000 * seed + rank)
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.random(shape) < 0.5
-    if dtype.kind in "iu":
-        return rng.integers(-5 if dtype.kind == "i" else 0, 6, shape).astype(dtype)
-    return rng.uniform(0.5, 2.0, shape).astype(dtype)
-
-
-def every_rank(shape, dtype, seed=0):
-    return [rank_data(r, shape, dtype, seed) for r in range(hvd.size())]
-
-
-def reference(arrays, op):
-    """The reduction by numpy, in the core's accumulator dtypes (integer Average: the floor)."""
-    dtype = arrays[0].dtype
-    if dtype == np.bool_:
-        return (np.logical_or.reduce if op in ("Sum", "Max") else np.logical_and.reduce)(arrays)
-    wide = np.float32 if dtype == np.float16 else (np.int64 if dtype.kind in "iu" else dtype)
-    stack = np.stack(arrays).astype(wide)
-    if op == "Average":
-        out = stack.sum(0) // len(arrays) if dtype.kind in "iu" else stack.sum(0) / len(arrays)
-    else:
-        out = {"Sum": np.sum, "Min": np.min, "Max": np.max, "Product": np.prod}[op](stack, axis=0)
-    return out.astype(dtype)
-
-
 def close(result, expected):
+    """A tf.Tensor result equal to the numpy reference: same dtype, shape and values."""
     assert isinstance(result, tf.Tensor), type(result)
-    got = result.numpy()
-    assert got.dtype == expected.dtype and got.shape == expected.shape, (got.dtype, got.shape)
-    if expected.dtype.kind in "biu":
-        np.testing.assert_array_equal(got, expected)
-    else:
-        rtol = 1e-2 if expected.dtype.itemsize == 2 else 1e-6
-        np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=rtol)
+    assert_array(np.asarray(result.numpy()), expected)  # a 0-d tensor gives a numpy scalar
 
 
 def run(where, fn, *args):
@@ -74,44 +41,46 @@ CASES = [("float32", "Sum"), ("float32", "Average"), ("float32", "Min"), ("float
 
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize(("dtype", "op"), CASES)
-def test_allreduce_of_a_tf_tensor_matches_numpy(where, dtype, op, rank):
-    mine = tf.constant(rank_data(rank, (3, 5), dtype))
-    result = run(where, lambda x: hvd.allreduce(x, op=getattr(hvd, op)), mine)
-    close(result, reference(every_rank((3, 5), dtype), op))
+def test_allreduce_of_a_tf_tensor_matches_numpy(where, dtype, op, rank, case):
+    op = getattr(hvd, op)
+    mine = tf.constant(make(case, rank, dtype, (3, 5), op))
+    result = run(where, lambda x: hvd.allreduce(x, op=op), mine)
+    close(result, reference_allreduce(all_inputs(case, dtype, (3, 5), op), op))
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_allreduce_average_flag_scale_factors_and_fp16_compression(where, rank):
-    mine = tf.constant(rank_data(rank, (6,), np.float32))
-    summed = reference(every_rank((6,), np.float32), "Sum")
+def test_allreduce_average_flag_scale_factors_and_fp16_compression(where, rank, case):
+    mine = tf.constant(make(case, rank, "float32", (6,)))
+    everyone = all_inputs(case, "float32", (6,))
     result = run(where, lambda x: hvd.allreduce(x, average=False, prescale_factor=0.5,
                                                 postscale_factor=3.0, name=f"scaled.{where}"), mine)
-    close(result, summed * np.float32(1.5))
+    close(result, reference_allreduce(everyone, Sum, 0.5, 3.0))
     compressed = run(where, lambda x: hvd.allreduce(x, compression=hvd.Compression.fp16), mine)
     assert compressed.dtype == tf.float32
-    np.testing.assert_allclose(compressed.numpy(), summed / hvd.size(), rtol=2e-3)
+    np.testing.assert_allclose(compressed.numpy(), reference_allreduce(everyone, hvd.Average),
+                               rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_grouped_allreduce_of_mixed_dtypes_matches_numpy(where, rank):
-    specs = [((8, 3), np.float32), ((3,), np.float64), ((5,), np.int32), ((), np.float32)]
-    mine = [tf.constant(rank_data(rank, s, d, i)) for i, (s, d) in enumerate(specs)]
+def test_grouped_allreduce_of_mixed_dtypes_matches_numpy(where, rank, case):
+    specs = [((8, 3), "float32"), ((3,), "float64"), ((5,), "int32"), ((), "float32")]
+    mine = [tf.constant(make(f"{case}.{i}", rank, d, s)) for i, (s, d) in enumerate(specs)]
     result = run(where, lambda *xs: hvd.grouped_allreduce(list(xs), op=hvd.Sum), *mine)
     for i, (shape, dtype) in enumerate(specs):
-        close(result[i], reference(every_rank(shape, dtype, i), "Sum"))
+        close(result[i], reference_allreduce(all_inputs(f"{case}.{i}", dtype, shape), Sum))
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_allgather_takes_uneven_first_dimensions(where, rank, size):
-    mine = tf.constant(rank_data(rank, (rank + 1, 3), np.float32))
-    result = run(where, lambda x: hvd.allgather(x), mine)
-    close(result, np.concatenate([rank_data(r, (r + 1, 3), np.float32) for r in range(size)]))
+def test_allgather_takes_uneven_first_dimensions(where, rank, size, case):
+    shapes = [(r + 1, 3) for r in range(size)]
+    result = run(where, lambda x: hvd.allgather(x), tf.constant(make(case, rank, "float32", shapes[rank])))
+    close(result, np.concatenate(all_inputs(case, "float32", shapes)))
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_broadcast_gives_every_rank_the_roots_tensor(where, rank, size):
-    mine = tf.constant(rank_data(rank, (3, 2), np.int8))
-    close(run(where, lambda x: hvd.broadcast(x, size - 1), mine), rank_data(size - 1, (3, 2), np.int8))
+def test_broadcast_gives_every_rank_the_roots_tensor(where, rank, size, case):
+    mine = tf.constant(make(case, rank, "int8", (3, 2)))
+    close(run(where, lambda x: hvd.broadcast(x, size - 1), mine), make(case, size - 1, "int8", (3, 2)))
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -126,14 +95,11 @@ def test_alltoall_sends_each_rank_its_rows(where, rank, size):
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_reducescatter_gives_each_rank_its_block(where, rank, size):
+def test_reducescatter_gives_each_rank_its_block(where, rank, size, case):
     rows = 2 * size + 1
     result = run(where, lambda x: hvd.reducescatter(x, op=hvd.Sum),
-                 tf.constant(rank_data(rank, (rows, 2), np.float32)))
-    total = reference(every_rank((rows, 2), np.float32), "Sum")
-    counts = [rows // size + (r < rows % size) for r in range(size)]
-    start = sum(counts[:rank])
-    close(result, total[start:start + counts[rank]])
+                 tf.constant(make(case, rank, "float32", (rows, 2))))
+    close(result, reference_allreduce(all_inputs(case, "float32", (rows, 2)), Sum)[rows_of(rows, rank, size)])
 
 
 def gradient(where, op, x):
@@ -149,8 +115,8 @@ def gradient(where, op, x):
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_gradients_of_the_collectives_are_horovods(where, rank, size):
-    x = tf.constant(rank_data(rank, (size, 2), np.float64))
+def test_gradients_of_the_collectives_are_horovods(where, rank, size, case):
+    x = tf.constant(make(case, rank, "float64", (size, 2)))
     weights = np.arange(1, 2 * size + 1, dtype=np.float64).reshape(size, 2)
     np.testing.assert_allclose(gradient(where, lambda t: hvd.allreduce(t, op=hvd.Sum), x), weights * size)
     gathered = np.arange(1, 2 * size * size + 1, dtype=np.float64).reshape(size * size, 2)
@@ -173,11 +139,12 @@ def test_allreduce_of_indexed_slices_allgathers_them(rank, size):
     np.testing.assert_allclose(result.values.numpy(), [[r / size, 1 / size] for r in range(size)])
 
 
-def test_broadcast_variables_assigns_the_roots_values(rank):
-    variables = [tf.Variable(rank_data(rank, (4, 3), np.float32)), tf.Variable(rank_data(rank, (2,), np.int64, 1))]
+def test_broadcast_variables_assigns_the_roots_values(rank, case):
+    specs = [("float32", (4, 3)), ("int64", (2,))]
+    variables = [tf.Variable(make(f"{case}.{i}", rank, d, s)) for i, (d, s) in enumerate(specs)]
     hvd.broadcast_variables(variables, root_rank=0)
-    np.testing.assert_array_equal(variables[0].numpy(), rank_data(0, (4, 3), np.float32))
-    np.testing.assert_array_equal(variables[1].numpy(), rank_data(0, (2,), np.int64, 1))
+    for i, (variable, (dtype, shape)) in enumerate(zip(variables, specs)):
+        assert_array(variable.numpy(), make(f"{case}.{i}", 0, dtype, shape))
 
 
 def test_ops_refuse_bad_arguments_naming_the_rank(rank):
