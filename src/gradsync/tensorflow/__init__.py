@@ -23,7 +23,7 @@ gradsync's own, re-exported under Horovod's names.
 
 from __future__ import annotations
 
-from ..ops import barrier, join
+from ..ops import allgather_object, barrier, broadcast_object, join
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ..protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..runtime import (
@@ -37,6 +37,22 @@ from ..runtime import (
     shutdown,
     size,
 )
+from . import util
+from .basics import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    local_rank_op,
+    local_size_op,
+    mpi_built,
+    mpi_enabled,
+    nccl_built,
+    rank_op,
+    rocm_built,
+    size_op,
+)
 from .compression import Compression
 from .gradient_tape import (
     DistributedGradientTape,
@@ -45,10 +61,14 @@ from .gradient_tape import (
     broadcast_variables,
 )
 from .mpi_ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from .util import _executing_eagerly  # noqa: F401 - horovod.tensorflow has it (Horovod's tests use it)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "barrier", "join",
+    "cross_rank", "cross_size", "barrier", "join", "broadcast_object", "allgather_object",
+    "size_op", "rank_op", "local_size_op", "local_rank_op",
+    "mpi_built", "mpi_enabled", "nccl_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built",
+    "rocm_built", "cuda_built", "util",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
