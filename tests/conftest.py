@@ -22,7 +22,8 @@ installed. .ci/run's JAX pass runs ``-m jax`` in a venv with jax but without tor
 pass cannot succeed by skipping.
 
 Tests that need TensorFlow carry ``@pytest.mark.tensorflow`` and skip the same way where it is not
-installed.
+installed; ``GRADSYNC_TEST_REQUIRE_TENSORFLOW=1`` stops the session at once if it cannot be imported
+(for a CI pass that runs ``-m tensorflow`` in a venv with TensorFlow and without torch).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("GRADSYNC_TEST_REQUIRE_JAX") == "1" and not JAX_INSTALLED:
         pytest.exit(f"GRADSYNC_TEST_REQUIRE_JAX=1, but the tests marked jax would skip: {NO_JAX_REASON}",
                     returncode=4)
+    if os.environ.get("GRADSYNC_TEST_REQUIRE_TENSORFLOW") == "1" and not TENSORFLOW_INSTALLED:
+        pytest.exit("GRADSYNC_TEST_REQUIRE_TENSORFLOW=1, but the tests marked tensorflow would skip: "
+                    f"{NO_TENSORFLOW_REASON}", returncode=4)
     config.stash[_SKIPPED_FOR_TORCH] = []
 
 
