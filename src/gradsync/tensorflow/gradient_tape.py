@@ -202,7 +202,8 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     Raises:
         ValueError: ``root_rank`` not a rank of the set (eagerly; in a tf.function as a
             ``tf.errors.OpError`` with gradsync's message).
-        gradsync.CollectiveError: the ranks disagree on a shape (the same).
+        tf.errors.FailedPreconditionError: the ranks disagree on a shape (as
+            :func:`gradsync.tensorflow.allreduce`).
     """
     variables = list(variables)
     values = [tf.convert_to_tensor(v) for v in variables]

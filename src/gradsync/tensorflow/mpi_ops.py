@@ -25,10 +25,12 @@ along the received splits; reducescatter's the allgather of the gradient, times 
 ``Sum`` and times the scale factors.
 
 Differences from Horovod: integer ``Average`` is the floor of the mean (Horovod truncates toward
-zero); an error raised while the op runs (the ranks disagree on a shape) reaches the caller as
-gradsync's own exception eagerly, and inside a tf.function as a ``tf.errors.OpError`` whose message
-is gradsync's; ``device_dense``/``device_sparse`` are accepted
-and ignored (gradsync moves host memory; a GPU tensor is copied through the host).
+zero); ranks that disagree (on a shape, a dtype) raise Horovod's
+``tf.errors.FailedPreconditionError`` eagerly, but inside a tf.function TensorFlow reports any error
+of a ``numpy_function`` as ``tf.errors.UnknownError`` (both ``tf.errors.OpError``, with gradsync's
+message); other errors raised while the op runs are gradsync's own eagerly;
+``device_dense``/``device_sparse`` are accepted and ignored (gradsync moves host memory; a GPU
+tensor is copied through the host).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import ops, runtime
+from ..errors import CollectiveError
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from .compression import Compression
@@ -92,9 +95,18 @@ def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Se
           dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
     """One stateful ``tf.numpy_function`` running ``on_host`` (numpy inputs -> list of numpy
     results of ``dtypes``), its outputs given the static ``shapes`` known when tracing. (A 0-d
-    input reaches a numpy_function as a numpy scalar: made a 0-d array again for the core.)"""
-    outputs = tf.numpy_function(lambda *arrays: on_host(*map(np.asarray, arrays)), list(inputs), list(dtypes),
-                                stateful=True, name=f"Gradsync{kind.title().replace('_', '')}")
+    input reaches a numpy_function as a numpy scalar: made a 0-d array again for the core.) A
+    :class:`~gradsync.CollectiveError` (ranks that disagree) is raised as Horovod's
+    ``tf.errors.FailedPreconditionError``, which TensorFlow reports as an ``UnknownError`` with
+    that message inside a tf.function."""
+    def host(*arrays: Any) -> list[np.ndarray]:
+        try:
+            return on_host(*map(np.asarray, arrays))
+        except CollectiveError as exc:  # Horovod's error for ranks that disagree
+            raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
+
+    outputs = tf.numpy_function(host, list(inputs), list(dtypes), stateful=True,
+                                name=f"Gradsync{kind.title().replace('_', '')}")
     if not isinstance(outputs, (list, tuple)):  # one output comes back bare, eagerly
         outputs = [outputs]
     for output, shape in zip(outputs, shapes):
@@ -198,9 +210,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
 
     Raises:
         ValueError: both ``average`` and ``op``, or an unknown ``op``.
-        gradsync.CollectiveError: the errors of :func:`gradsync.allreduce` (a dtype gradsync does
-            not reduce, ranks that disagree) when the op runs: eagerly as they are, in a
-            tf.function as a ``tf.errors.OpError`` with gradsync's message.
+        tf.errors.FailedPreconditionError: the ranks disagree (shape, dtype, op), when the op
+            runs (inside a tf.function: ``tf.errors.UnknownError``, gradsync's message).
     """
     op = reduce_op(op, average, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
@@ -247,7 +258,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 
     Raises:
         ValueError: as :func:`allreduce`.
-        gradsync.CollectiveError: as :func:`allreduce`.
+        tf.errors.FailedPreconditionError: as :func:`allreduce`.
     """
     op = reduce_op(op, average, "grouped_allreduce")
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
@@ -277,8 +288,8 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 
     Raises:
         ValueError: a 0-d tensor.
-        gradsync.CollectiveError: the ranks disagree on dtype or trailing shape, when the op
-            runs: eagerly as it is, in a tf.function as a ``tf.errors.OpError`` with its message.
+        tf.errors.FailedPreconditionError: the ranks disagree on dtype or trailing shape, as
+            :func:`allreduce`.
     """
     tensor = tf.convert_to_tensor(tensor)
     name = _name(name, "allgather", tensor, ignore_name_scope)
@@ -308,7 +319,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     Raises:
         ValueError: ``root_rank`` not a rank of the set, when the op runs: eagerly as it is, in
             a tf.function as a ``tf.errors.OpError`` with its message.
-        gradsync.CollectiveError: the ranks disagree on shape or dtype (the same).
+        tf.errors.FailedPreconditionError: the ranks disagree on shape or dtype, as :func:`allreduce`.
     """
     tensor = tf.convert_to_tensor(tensor)
     name = _name(name, "broadcast", tensor, ignore_name_scope)
@@ -381,7 +392,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
 
     Raises:
         ValueError: a 0-d tensor, an unknown ``op``.
-        gradsync.CollectiveError: as :func:`allreduce`.
+        tf.errors.FailedPreconditionError: as :func:`allreduce`.
     """
     op = reduce_op(op, None, "reducescatter")
     compressed, context = compression.compress(tf.convert_to_tensor(tensor))
