@@ -82,6 +82,15 @@ def test_broadcast_gives_every_rank_the_roots_tensor(where, rank, size, case):
 
 
 @pytest.mark.parametrize("where", WHERE)
+def test_unsigned_dtypes_the_core_lacks_are_moved_bit_for_bit(where, rank, size):
+    mine = np.array([[65535 - rank, rank]], np.uint16)
+    gathered = run(where, lambda x: hvd.allgather(x), tf.constant(mine))
+    close(gathered, np.array([[65535 - r, r] for r in range(size)], np.uint16))
+    close(run(where, lambda x: hvd.broadcast(x, size - 1), tf.constant(mine.astype(np.uint32))),
+          np.array([[65535 - size + 1, size - 1]], np.uint32))
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_alltoall_sends_each_rank_its_rows(where, rank, size):
     """Rank r sends j + 1 rows to rank j: rows labelled 100 * sender + destination."""
     splits = [j + 1 for j in range(size)]

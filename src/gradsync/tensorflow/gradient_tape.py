@@ -22,7 +22,16 @@ from .. import ops, runtime
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from .compression import Compression
-from .mpi_ops import Average, Sum, allreduce, call_on_host, grouped_allreduce, reduce_op
+from .mpi_ops import (
+    Average,
+    Sum,
+    allreduce,
+    call_on_host,
+    grouped_allreduce,
+    moved,
+    reduce_op,
+    restored,
+)
 
 
 def _group_name(gradients: Sequence[tf.Tensor], prefix: str) -> str:
@@ -209,9 +218,9 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     values = [tf.convert_to_tensor(v) for v in variables]
 
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
-        handles = [ops.broadcast_async(a, root_rank, f"broadcast_variables.{i}", process_set)
+        handles = [ops.broadcast_async(moved(a), root_rank, f"broadcast_variables.{i}", process_set)
                    for i, a in enumerate(arrays)]
-        return [handle.wait() for handle in handles]
+        return [restored(handle.wait(), a) for handle, a in zip(handles, arrays)]
 
     if values:
         results = call_on_host("broadcast", on_host, values, [v.dtype for v in values],

@@ -114,6 +114,21 @@ def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Se
     return list(outputs)
 
 
+#: Unsigned dtypes TensorFlow has and gradsync's core does not: the collectives that only move
+#: data (allgather, broadcast, alltoall) move them as the signed dtype of the same width, bit for bit.
+_MOVED_AS = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}
+
+
+def moved(array: np.ndarray) -> np.ndarray:
+    """``array`` as the core can move it: a uint16/32/64 array viewed as int16/32/64 (no copy)."""
+    return array.view(_MOVED_AS[array.dtype]) if array.dtype in _MOVED_AS else array
+
+
+def restored(result: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """The moved ``result`` viewed in the dtype of ``like`` again."""
+    return result.view(like.dtype) if result.dtype != like.dtype else result
+
+
 def _groups_by_dtype(tensors: Sequence[tf.Tensor]) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for i, tensor in enumerate(tensors):
@@ -162,7 +177,7 @@ def _allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet) -> 
     _rows(tensor, "allgather")
 
     def on_host(array: np.ndarray) -> list[np.ndarray]:
-        return [ops.allgather(array, name, process_set)]
+        return [restored(ops.allgather(moved(array), name, process_set), array)]
 
     return call_on_host("allgather", on_host, [tensor], [tensor.dtype], [[None] + tensor.shape[1:]])[0]
 
@@ -173,8 +188,8 @@ def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
     _rows(tensor, "alltoall")
 
     def on_host(array: np.ndarray, *split: np.ndarray) -> list[np.ndarray]:
-        output, received = ops.alltoall(array, split[0] if split else None, name, process_set)
-        return [output, np.asarray(received, np.int32)]
+        output, received = ops.alltoall(moved(array), split[0] if split else None, name, process_set)
+        return [restored(output, array), np.asarray(received, np.int32)]
 
     inputs = [tensor] if splits is None else [tensor, splits]
     return tuple(call_on_host("alltoall", on_host, inputs, [tensor.dtype, tf.int32],
@@ -326,7 +341,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 
     def run(x: tf.Tensor) -> tf.Tensor:
         def on_host(array: np.ndarray) -> list[np.ndarray]:
-            return [ops.broadcast(array, root_rank, name, process_set)]
+            return [restored(ops.broadcast(moved(array), root_rank, name, process_set), array)]
         return call_on_host("broadcast", on_host, [x], [x.dtype], [x.shape])[0]
 
     @tf.custom_gradient
