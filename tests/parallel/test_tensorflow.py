@@ -154,6 +154,11 @@ def test_broadcast_variables_assigns_the_roots_values(rank, case):
         assert_array(variable.numpy(), make(f"{case}.{i}", 0, dtype, shape))
 
 
+def test_bad_arguments_found_while_the_op_runs_raise_horovods_error(rank, size):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"rank {rank}: alltoall .*splits"):
+        hvd.alltoall(tf.ones((2, 1)), splits=[3] + [0] * (size - 1))
+
+
 def test_ops_refuse_bad_arguments_naming_the_rank(rank):
     with pytest.raises(ValueError, match=f"rank {rank}.*average=True and op="):
         hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum)

@@ -209,8 +209,8 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     assigned. ``inplace`` is accepted for Horovod's signature.
 
     Raises:
-        ValueError: ``root_rank`` not a rank of the set (eagerly; in a tf.function as a
-            ``tf.errors.OpError`` with gradsync's message).
+        tf.errors.InvalidArgumentError: ``root_rank`` not a rank of the set (inside a
+            tf.function: ``tf.errors.UnknownError`` with gradsync's message).
         tf.errors.FailedPreconditionError: the ranks disagree on a shape (as
             :func:`gradsync.tensorflow.allreduce`).
     """

@@ -26,9 +26,10 @@ along the received splits; reducescatter's the allgather of the gradient, times 
 
 Differences from Horovod: integer ``Average`` is the floor of the mean (Horovod truncates toward
 zero); ranks that disagree (on a shape, a dtype) raise Horovod's
-``tf.errors.FailedPreconditionError`` eagerly, but inside a tf.function TensorFlow reports any error
-of a ``numpy_function`` as ``tf.errors.UnknownError`` (both ``tf.errors.OpError``, with gradsync's
-message); other errors raised while the op runs are gradsync's own eagerly;
+``tf.errors.FailedPreconditionError`` eagerly and bad arguments found while the op runs
+``tf.errors.InvalidArgumentError``, but inside a tf.function TensorFlow reports any error of a
+``numpy_function`` as ``tf.errors.UnknownError`` (all ``tf.errors.OpError``, with gradsync's
+message); stalls and rank failures are gradsync's own errors eagerly;
 ``device_dense``/``device_sparse`` are accepted and ignored (gradsync moves host memory; a GPU
 tensor is copied through the host).
 """
@@ -97,13 +98,16 @@ def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Se
     results of ``dtypes``), its outputs given the static ``shapes`` known when tracing. (A 0-d
     input reaches a numpy_function as a numpy scalar: made a 0-d array again for the core.) A
     :class:`~gradsync.CollectiveError` (ranks that disagree) is raised as Horovod's
-    ``tf.errors.FailedPreconditionError``, which TensorFlow reports as an ``UnknownError`` with
-    that message inside a tf.function."""
+    ``tf.errors.FailedPreconditionError``, a TypeError or ValueError of the core (bad splits, a
+    dtype it lacks) as ``tf.errors.InvalidArgumentError``; inside a tf.function TensorFlow reports
+    both as an ``UnknownError`` with that message."""
     def host(*arrays: Any) -> list[np.ndarray]:
         try:
             return on_host(*map(np.asarray, arrays))
         except CollectiveError as exc:  # Horovod's error for ranks that disagree
             raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
+        except (TypeError, ValueError) as exc:  # Horovod's (and a graph's) error for bad arguments
+            raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
 
     outputs = tf.numpy_function(host, list(inputs), list(dtypes), stateful=True,
                                 name=f"Gradsync{kind.title().replace('_', '')}")
@@ -227,6 +231,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         ValueError: both ``average`` and ``op``, or an unknown ``op``.
         tf.errors.FailedPreconditionError: the ranks disagree (shape, dtype, op), when the op
             runs (inside a tf.function: ``tf.errors.UnknownError``, gradsync's message).
+        tf.errors.InvalidArgumentError: a dtype or factor the core refuses, when the op runs
+            (the same).
     """
     op = reduce_op(op, average, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
@@ -332,8 +338,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     zeros elsewhere.
 
     Raises:
-        ValueError: ``root_rank`` not a rank of the set, when the op runs: eagerly as it is, in
-            a tf.function as a ``tf.errors.OpError`` with its message.
+        tf.errors.InvalidArgumentError: ``root_rank`` not a rank of the set, when the op runs
+            (inside a tf.function: ``tf.errors.UnknownError``, gradsync's message).
         tf.errors.FailedPreconditionError: the ranks disagree on shape or dtype, as :func:`allreduce`.
     """
     tensor = tf.convert_to_tensor(tensor)
@@ -371,9 +377,9 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
         output's gradient back along the received splits.
 
     Raises:
-        ValueError: a 0-d tensor; bad splits (wrong length, negative, not summing to dimension
-            0), when the op runs: eagerly as they are, in a tf.function as a ``tf.errors.OpError``
-            with gradsync's message.
+        ValueError: a 0-d tensor.
+        tf.errors.InvalidArgumentError: bad splits (wrong length, negative, not summing to
+            dimension 0), when the op runs (inside a tf.function: ``tf.errors.UnknownError``).
     """
     tensor = tf.convert_to_tensor(tensor)
     name = _name(name, "alltoall", tensor, ignore_name_scope)
