@@ -137,11 +137,13 @@ def test_gradients_of_the_collectives_are_horovods(where, rank, size, case):
     np.testing.assert_allclose(scattered, np.tile([[1.0, 2.0]], (size, 1)) * size)
 
 
-def test_allreduce_of_indexed_slices_allgathers_them(rank, size):
+def test_allreduce_and_grouped_allreduce_of_indexed_slices_allgather_them(rank, size):
     slices = tf.IndexedSlices(tf.constant([[float(rank), 1.0]]), tf.constant([rank % 3]),
                               dense_shape=tf.constant([3, 2]))
-    result = hvd.allreduce(slices)
+    result, dense = hvd.grouped_allreduce([slices, tf.ones(2)])
+    np.testing.assert_array_equal(dense.numpy(), np.ones(2))
     assert isinstance(result, tf.IndexedSlices)
+    np.testing.assert_array_equal(hvd.allreduce(slices).indices.numpy(), result.indices.numpy())
     np.testing.assert_array_equal(result.indices.numpy(), [r % 3 for r in range(size)])
     np.testing.assert_allclose(result.values.numpy(), [[r / size, 1 / size] for r in range(size)])
 

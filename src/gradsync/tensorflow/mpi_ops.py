@@ -273,8 +273,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     :func:`allreduce` for each, negotiated together and fused, one core group per dtype.
 
     Every rank passes the same number of tensors, in the same order, with the same shapes and
-    dtypes. ``name`` (gradsync's addition, after Horovod's arguments) names the group; groups of
-    dtype ``d`` are named ``<name>.<d>``. Returns a list of new tensors; differentiable (the
+    dtypes; a ``tf.IndexedSlices`` among them is allgathered as :func:`allreduce` does.
+    ``name`` (gradsync's addition, after Horovod's arguments) names the group; groups of dtype
+    ``d`` are named ``<name>.<d>``. Returns a list of new tensors; differentiable (the
     gradient is the same grouped allreduce of the outputs' gradients).
 
     Raises:
@@ -282,6 +283,14 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
         tf.errors.FailedPreconditionError: as :func:`allreduce`.
     """
     op = reduce_op(op, average, "grouped_allreduce")
+    sparse = {i: t for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)}
+    if sparse:  # Horovod's: each IndexedSlices allgathered, the dense ones grouped
+        dense = [t for i, t in enumerate(tensors) if i not in sparse]
+        reduced = iter(grouped_allreduce(dense, compression=compression, op=op, name=name,
+                                         prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor, process_set=process_set))
+        return [_sparse_allreduce(t, op, None if name is None else f"{name}.sparse.{i}", process_set)
+                if i in sparse else next(reduced) for i, t in enumerate(tensors)]
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     inputs = [c for c, _ in compressed]
     if not inputs:
