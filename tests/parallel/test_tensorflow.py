@@ -263,3 +263,12 @@ def test_tape_sparse_gradients_allgathered_or_densified(rank, size):
     dense = grads(True)
     assert isinstance(dense, tf.Tensor)
     np.testing.assert_allclose(dense.numpy(), expected)
+
+
+def test_allreduce_gradients_with_a_predivide_factor_still_averages(rank, size):
+    grads = [tf.constant([float(rank), 1.0]), None]
+    averaged, none = hvd.allreduce_gradients(grads, gradient_predivide_factor=2.0)
+    assert none is None
+    np.testing.assert_allclose(averaged.numpy(), [(size - 1) / 2, 1.0])
+    with pytest.raises(ValueError, match=f"rank {rank}: .*gradient_predivide_factor=2.0 needs op=Average"):
+        hvd.allreduce_gradients(grads, op=hvd.Sum, gradient_predivide_factor=2.0)

@@ -41,6 +41,17 @@ def _group_name(gradients: Sequence[tf.Tensor], prefix: str) -> str:
     return f"{prefix}.{len(gradients)}.{zlib.crc32(layout.encode()):08x}"
 
 
+def _predivided(op: ReduceOp, factor: float, process_set: ProcessSet,
+                where: str) -> tuple[ReduceOp, float, float]:
+    """(op, prescale, postscale) for Horovod's ``gradient_predivide_factor``: Average with a factor
+    f is Sum with prescale 1/f and postscale f/size."""
+    if factor == 1.0:
+        return op, 1.0, 1.0
+    if op != Average:
+        raise ValueError(f"{where}: gradient_predivide_factor={factor} needs op=Average, not {op.name}")
+    return Sum, 1.0 / factor, factor / process_set.size()
+
+
 def allreduce_gradients(gradients: Sequence[Any], op: Any = Average, compression: Any = Compression.none,
                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set,
@@ -69,13 +80,7 @@ def allreduce_gradients(gradients: Sequence[Any], op: Any = Average, compression
     where = f"gradsync: rank {runtime.get().rank}: gradsync.tensorflow.allreduce_gradients"
     if op not in (Average, Sum, ReduceOp.Adasum):
         raise ValueError(f"{where}: op={op.name}; gradients are reduced with Average, Sum or Adasum")
-    prescale, postscale = 1.0, 1.0
-    if gradient_predivide_factor != 1.0:
-        if op != Average:
-            raise ValueError(f"{where}: gradient_predivide_factor={gradient_predivide_factor} "
-                             f"needs op=Average, not {op.name}")
-        op, prescale = Sum, 1.0 / gradient_predivide_factor
-        postscale = gradient_predivide_factor / process_set.size()
+    op, prescale, postscale = _predivided(op, gradient_predivide_factor, process_set, where)
     grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
              for g in gradients]
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
