@@ -30,6 +30,10 @@ Tests that need JAX (and optax) carry ``@pytest.mark.jax`` and skip the same way
 installed. .ci/run's JAX pass runs ``-m jax`` in a venv with jax but without torch, with
 ``GRADSYNC_TEST_REQUIRE_JAX=1``: the session stops at once if jax cannot be imported, so that the
 pass cannot succeed by skipping.
+
+Tests that need TensorFlow carry ``@pytest.mark.tensorflow`` and skip the same way where it is not
+installed; ``GRADSYNC_TEST_REQUIRE_TENSORFLOW=1`` stops the session at once if it cannot be imported
+(for a CI pass that runs ``-m tensorflow`` in a venv with TensorFlow and without torch).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ JAX_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("jax", "op
 NO_JAX_REASON = "needs JAX and optax, which are not installed (pip install gradsync[jax])"
 LIGHTNING_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("lightning", "torchmetrics"))
 NO_LIGHTNING_REASON = "needs Lightning and torchmetrics, which are not installed (pip install gradsync[lightning])"
+TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
+NO_TENSORFLOW_REASON = "needs TensorFlow, which is not installed (pip install gradsync[tensorflow])"
 PARALLEL = Path(__file__).parent / "parallel"
 # Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
 _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -85,6 +91,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("GRADSYNC_TEST_REQUIRE_JAX") == "1" and not JAX_INSTALLED:
         pytest.exit(f"GRADSYNC_TEST_REQUIRE_JAX=1, but the tests marked jax would skip: {NO_JAX_REASON}",
                     returncode=4)
+    if os.environ.get("GRADSYNC_TEST_REQUIRE_TENSORFLOW") == "1" and not TENSORFLOW_INSTALLED:
+        pytest.exit("GRADSYNC_TEST_REQUIRE_TENSORFLOW=1, but the tests marked tensorflow would skip: "
+                    f"{NO_TENSORFLOW_REASON}", returncode=4)
     config.stash[_SKIPPED_FOR_TORCH] = []
 
 
@@ -96,7 +105,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = [item for item in items if not item.get_closest_marker("full")]
     for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
                                       ("jax", JAX_INSTALLED, NO_JAX_REASON),
-                                      ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON)):
+                                      ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON),
+                                      ("tensorflow", TENSORFLOW_INSTALLED, NO_TENSORFLOW_REASON)):
         if installed:
             continue
         skip = pytest.mark.skip(reason=reason)

@@ -2,8 +2,9 @@
 
 A file declares the rank counts it runs at in a module-level ``RANKS = (1, 2, 4)`` (the default)
 and, when it needs more than the default 300 s, ``TIMEOUT = <seconds>``. A file that needs torch
-sets ``pytestmark = pytest.mark.torch`` (or ``jax``); its jobs are then marked so here too, so they
-skip where torch (jax) is not installed. A file's ``VARIANTS`` add jobs with more environment
+sets ``pytestmark = pytest.mark.torch`` (or ``jax``, ``tensorflow``, ``keras``; Lightning's file adds
+``lightning``); its jobs are then marked so here too, so they skip where that framework is not
+installed; a Keras variant's job also carries the mark of its ``KERAS_BACKEND``. A file's ``VARIANTS`` add jobs with more environment
 variables, at their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py).
 See tests/parallel/conftest.py for what each job guarantees.
 
@@ -43,6 +44,9 @@ FAST_VARIANTS = {
     ("test_ops", "4k-fusion"),
     ("test_optimizer", "join-by-contributors"),
     ("test_training", "autotune"),
+    ("test_keras", "jax"),  # the Keras file runs in its backends' variants only (RANKS = ())
+    ("test_keras", "torch"),
+    ("test_keras", "tensorflow"),
 }
 # (file, ranks) -> the ``-k`` selection of its tests that run at no count up to 2: a process set
 # of two ranks that is not every rank, a number of ranks that is not a power of two. The fast
@@ -84,8 +88,9 @@ class Job:
 
 
 def _framework(path: Path) -> str:
-    """'torch' or 'jax' for a file whose ``pytestmark`` marks it so; else 'numpy'."""
-    for framework in ("torch", "jax"):
+    """'tensorflow', 'keras', 'torch' or 'jax' for a file whose ``pytestmark`` marks it so (in
+    that order: a Lightning file is marked torch and runs with the torch files); else 'numpy'."""
+    for framework in ("tensorflow", "keras", "torch", "jax"):
         if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
             return framework
     return "numpy"
@@ -97,7 +102,7 @@ def _marks(framework: str) -> list:
 
 def fast_counts(counts) -> set[int]:
     """The rank counts of ``counts`` that the fast suite runs: those up to 2, else the smallest."""
-    return {n for n in counts if n <= FAST_MAX_RANKS} or {min(counts)}
+    return {n for n in counts if n <= FAST_MAX_RANKS} or set(sorted(counts)[:1])
 
 
 def _variant_jobs(path: Path) -> list[tuple[str, Job, bool]]:
@@ -115,6 +120,13 @@ def _variant_jobs(path: Path) -> list[tuple[str, Job, bool]]:
     return jobs
 
 
+def _backend_marks(job: Job) -> list:
+    """A Keras job needs its backend's framework too: its torch, jax or tensorflow mark skips it
+    where that framework is not installed."""
+    backend = job.env.get("KERAS_BACKEND")
+    return [getattr(pytest.mark, backend)] if backend in ("torch", "jax", "tensorflow") else []
+
+
 def _full_jobs():
     """Every file at each of its rank counts, and every variant, each a job of its own; those
     that the fast suite runs too (in its own way) unmarked, the others marked ``full``."""
@@ -123,7 +135,8 @@ def _full_jobs():
         counts = _module_setting(path, "RANKS", DEFAULT_RANKS)
         plain = [(f"{path.stem}-{n}", Job((path,), n), n in fast_counts(counts)) for n in counts]
         for job_id, job, fast in plain + _variant_jobs(path):
-            yield pytest.param(job, id=job_id, marks=marks if fast else [*marks, pytest.mark.full])
+            job_marks = [*marks, *_backend_marks(job)]
+            yield pytest.param(job, id=job_id, marks=job_marks if fast else [*job_marks, pytest.mark.full])
 
 
 def _fast_jobs():
@@ -141,7 +154,7 @@ def _fast_jobs():
         marks = _marks(_framework(path))
         for job_id, job, fast in _variant_jobs(path):
             if fast:
-                yield pytest.param(job, id=job_id, marks=marks)
+                yield pytest.param(job, id=job_id, marks=[*marks, *_backend_marks(job)])
         for (stem, n), select in FAST_ABOVE_2_RANKS.items():
             if stem == path.stem:
                 yield pytest.param(Job((path,), n, select=select), id=f"{stem}-{n}-needing-{n}", marks=marks)

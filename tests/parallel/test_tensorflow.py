@@ -1,0 +1,274 @@
+"""gradsync.tensorflow on every rank: each collective on tf.Tensor against numpy, eagerly and inside
+tf.function, Horovod's gradients against their formulas, and a custom training loop with
+DistributedGradientTape in a tf.function against single-process training on the concatenated
+batch."""
+
+import os
+
+import numpy as np
+import pytest
+from reference import Sum, all_inputs, assert_array, make, reference_allreduce, rows_of
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+pytestmark = pytest.mark.tensorflow
+tf = pytest.importorskip("tensorflow")
+hvd = pytest.importorskip("gradsync.tensorflow")
+
+RANKS = (1, 2, 4)
+TIMEOUT = 240
+tf.config.threading.set_inter_op_parallelism_threads(2)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+
+
+def close(result, expected):
+    """A tf.Tensor result equal to the numpy reference: same dtype, shape and values."""
+    assert isinstance(result, tf.Tensor), type(result)
+    assert_array(np.asarray(result.numpy()), expected)  # a 0-d tensor gives a numpy scalar
+
+
+def run(where, fn, *args):
+    """``fn(*args)`` eagerly, or traced into a tf.function and run there."""
+    return fn(*args) if where == "eager" else tf.function(fn)(*args)
+
+
+WHERE = ["eager", "function"]
+CASES = [("float32", "Sum"), ("float32", "Average"), ("float32", "Min"), ("float64", "Max"),
+         ("float32", "Product"), ("float16", "Average"), ("int32", "Average"), ("int64", "Sum"),
+         ("uint8", "Max"), ("bool", "Min")]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize(("dtype", "op"), CASES)
+def test_allreduce_of_a_tf_tensor_matches_numpy(where, dtype, op, rank, case):
+    op = getattr(hvd, op)
+    mine = tf.constant(make(case, rank, dtype, (3, 5), op))
+    result = run(where, lambda x: hvd.allreduce(x, op=op), mine)
+    close(result, reference_allreduce(all_inputs(case, dtype, (3, 5), op), op))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_allreduce_average_flag_scale_factors_and_fp16_compression(where, rank, case):
+    mine = tf.constant(make(case, rank, "float32", (6,)))
+    everyone = all_inputs(case, "float32", (6,))
+    result = run(where, lambda x: hvd.allreduce(x, average=False, prescale_factor=0.5,
+                                                postscale_factor=3.0, name=f"scaled.{where}"), mine)
+    close(result, reference_allreduce(everyone, Sum, 0.5, 3.0))
+    compressed = run(where, lambda x: hvd.allreduce(x, compression=hvd.Compression.fp16), mine)
+    assert compressed.dtype == tf.float32
+    np.testing.assert_allclose(compressed.numpy(), reference_allreduce(everyone, hvd.Average),
+                               rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_grouped_allreduce_of_mixed_dtypes_matches_numpy(where, rank, case):
+    specs = [((8, 3), "float32"), ((3,), "float64"), ((5,), "int32"), ((), "float32")]
+    mine = [tf.constant(make(f"{case}.{i}", rank, d, s)) for i, (s, d) in enumerate(specs)]
+    result = run(where, lambda *xs: hvd.grouped_allreduce(list(xs), op=hvd.Sum), *mine)
+    for i, (shape, dtype) in enumerate(specs):
+        close(result[i], reference_allreduce(all_inputs(f"{case}.{i}", dtype, shape), Sum))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_allgather_takes_uneven_first_dimensions(where, rank, size, case):
+    shapes = [(r + 1, 3) for r in range(size)]
+    result = run(where, lambda x: hvd.allgather(x), tf.constant(make(case, rank, "float32", shapes[rank])))
+    close(result, np.concatenate(all_inputs(case, "float32", shapes)))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_broadcast_gives_every_rank_the_roots_tensor(where, rank, size, case):
+    mine = tf.constant(make(case, rank, "int8", (3, 2)))
+    close(run(where, lambda x: hvd.broadcast(x, size - 1), mine), make(case, size - 1, "int8", (3, 2)))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_unsigned_dtypes_the_core_lacks_are_moved_bit_for_bit(where, rank, size):
+    mine = np.array([[65535 - rank, rank]], np.uint16)
+    gathered = run(where, lambda x: hvd.allgather(x), tf.constant(mine))
+    close(gathered, np.array([[65535 - r, r] for r in range(size)], np.uint16))
+    close(run(where, lambda x: hvd.broadcast(x, size - 1), tf.constant(mine.astype(np.uint32))),
+          np.array([[65535 - size + 1, size - 1]], np.uint32))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_alltoall_sends_each_rank_its_rows(where, rank, size):
+    """Rank r sends j + 1 rows to rank j: rows labelled 100 * sender + destination."""
+    splits = [j + 1 for j in range(size)]
+    mine = np.concatenate([np.full((j + 1, 2), 100 * rank + j, np.float64) for j in range(size)])
+    output, received = run(where, lambda x: hvd.alltoall(x, splits=splits), tf.constant(mine))
+    close(output, np.concatenate([np.full((rank + 1, 2), 100 * r + rank, np.float64)
+                                  for r in range(size)]))
+    close(received, np.full(size, rank + 1, np.int32))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_reducescatter_gives_each_rank_its_block(where, rank, size, case):
+    rows = 2 * size + 1
+    result = run(where, lambda x: hvd.reducescatter(x, op=hvd.Sum),
+                 tf.constant(make(case, rank, "float32", (rows, 2))))
+    close(result, reference_allreduce(all_inputs(case, "float32", (rows, 2)), Sum)[rows_of(rows, rank, size)])
+
+
+def gradient(where, op, x):
+    """d sum(op(x) * weights) / dx, with weights = 1 + position, eagerly or in a tf.function."""
+    def grad(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = op(x)
+            weights = tf.reshape(tf.range(1, tf.size(y) + 1, dtype=y.dtype), tf.shape(y))
+            loss = tf.reduce_sum(y * weights)
+        return tape.gradient(loss, x)
+    return run(where, grad, x).numpy()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_gradients_of_the_collectives_are_horovods(where, rank, size, case):
+    x = tf.constant(make(case, rank, "float64", (size, 2)))
+    weights = np.arange(1, 2 * size + 1, dtype=np.float64).reshape(size, 2)
+    np.testing.assert_allclose(gradient(where, lambda t: hvd.allreduce(t, op=hvd.Sum), x), weights * size)
+    gathered = np.arange(1, 2 * size * size + 1, dtype=np.float64).reshape(size * size, 2)
+    np.testing.assert_allclose(gradient(where, hvd.allgather, x), gathered[size * rank:size * (rank + 1)])
+    root = size - 1
+    np.testing.assert_allclose(gradient(where, lambda t: hvd.broadcast(t, root), x),
+                               weights * (rank == root))
+    exchanged = gradient(where, hvd.alltoall, x)  # row j went to rank j as row rank
+    np.testing.assert_allclose(exchanged, np.stack([weights[rank]] * size))
+    scattered = gradient(where, lambda t: hvd.reducescatter(t, op=hvd.Sum), x)
+    np.testing.assert_allclose(scattered, np.tile([[1.0, 2.0]], (size, 1)) * size)
+
+
+def test_allreduce_and_grouped_allreduce_of_indexed_slices_allgather_them(rank, size):
+    slices = tf.IndexedSlices(tf.constant([[float(rank), 1.0]]), tf.constant([rank % 3]),
+                              dense_shape=tf.constant([3, 2]))
+    result, dense = hvd.grouped_allreduce([slices, tf.ones(2)])
+    np.testing.assert_array_equal(dense.numpy(), np.ones(2))
+    assert isinstance(result, tf.IndexedSlices)
+    np.testing.assert_array_equal(hvd.allreduce(slices).indices.numpy(), result.indices.numpy())
+    np.testing.assert_array_equal(result.indices.numpy(), [r % 3 for r in range(size)])
+    np.testing.assert_allclose(result.values.numpy(), [[r / size, 1 / size] for r in range(size)])
+
+
+def test_broadcast_variables_assigns_the_roots_values(rank, case):
+    specs = [("float32", (4, 3)), ("int64", (2,))]
+    variables = [tf.Variable(make(f"{case}.{i}", rank, d, s)) for i, (d, s) in enumerate(specs)]
+    hvd.broadcast_variables(variables, root_rank=0)
+    for i, (variable, (dtype, shape)) in enumerate(zip(variables, specs)):
+        assert_array(variable.numpy(), make(f"{case}.{i}", 0, dtype, shape))
+
+
+def test_bad_arguments_found_while_the_op_runs_raise_horovods_error(rank, size):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"rank {rank}: alltoall .*splits"):
+        hvd.alltoall(tf.ones((2, 1)), splits=[3] + [0] * (size - 1))
+
+
+def test_ops_refuse_bad_arguments_naming_the_rank(rank):
+    with pytest.raises(ValueError, match=f"rank {rank}.*average=True and op="):
+        hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match=f"rank {rank}.*0-d tensor"):
+        hvd.allgather(tf.constant(1.0))
+    with pytest.raises(TypeError, match="tf.GradientTape"):
+        hvd.DistributedGradientTape(object())
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_ranks_that_disagree_on_a_shape_fail_with_gradsyncs_message(where, rank, size):
+    if size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    # Horovod's error eagerly; TensorFlow reports any numpy_function error as UnknownError in a graph
+    error = tf.errors.FailedPreconditionError if where == "eager" else tf.errors.UnknownError
+    with pytest.raises(error, match=f"rank {rank}: allreduce 'disagreeing.{where}': ranks disagree on shape"):
+        run(where, lambda x: hvd.allreduce(x, name=f"disagreeing.{where}"), tf.ones((rank + 1,)))
+
+
+# ---- training -------------------------------------------------------------------------------------
+
+BATCH, FEATURES, HIDDEN, STEPS, LR = 6, 5, 4, 4, 0.1
+
+
+def make_variables():
+    rng = np.random.default_rng(7)  # the same start on every rank
+    shapes = [(FEATURES, HIDDEN), (HIDDEN,), (HIDDEN, 1), (1,)]
+    return [tf.Variable(rng.normal(size=s)) for s in shapes]
+
+
+def loss_fn(variables, x, y):
+    w1, b1, w2, b2 = variables
+    return tf.reduce_mean((tf.tanh(x @ w1 + b1) @ w2 + b2 - y) ** 2)
+
+
+def batch(rank, step):
+    rng = np.random.default_rng(100 * step + rank)
+    return rng.normal(size=(BATCH, FEATURES)), rng.normal(size=(BATCH, 1))
+
+
+def train(variables, batches, distributed):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(variables, x, y)
+        if distributed:
+            tape = hvd.DistributedGradientTape(tape)
+        for v, g in zip(variables, tape.gradient(loss, variables)):
+            v.assign_sub(LR * g)
+    for x, y in batches:
+        step(tf.constant(x), tf.constant(y))
+    return [v.numpy() for v in variables]
+
+
+def test_tape_training_in_a_tf_function_equals_one_process_on_the_whole_batch(rank, size):
+    got = train(make_variables(), [batch(rank, s) for s in range(STEPS)], distributed=True)
+    whole = [tuple(np.concatenate(part) for part in zip(*[batch(r, s) for r in range(size)]))
+             for s in range(STEPS)]
+    expected = train(make_variables(), whole, distributed=False)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-8)
+    everywhere = hvd.allgather(tf.constant(np.concatenate([g.ravel() for g in got])[None]))
+    np.testing.assert_array_equal(everywhere.numpy(), np.tile(everywhere.numpy()[:1], (size, 1)))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_partial_tape_leaves_local_gradients_unreduced_but_scaled(where, rank, size):
+    class Layer:  # anything with trainable_weights
+        def __init__(self, value):
+            self.trainable_weights = [tf.Variable(value)]
+
+    shared, local = Layer(np.ones(3)), Layer(np.ones(2))
+
+    def grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(shared.trainable_weights[0] * (rank + 1.0)) + \
+                tf.reduce_sum(local.trainable_weights[0] * (rank + 1.0))
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+        return tape.gradient(loss, shared.trainable_weights + local.trainable_weights)
+
+    g_shared, g_local = run(where, grads)
+    np.testing.assert_allclose(g_shared.numpy(), np.full(3, (size + 1) / 2))
+    np.testing.assert_allclose(g_local.numpy(), np.full(2, (rank + 1) / size))
+
+
+def test_tape_sparse_gradients_allgathered_or_densified(rank, size):
+    table = tf.Variable(np.zeros((4, 2)))
+
+    def grads(sparse_as_dense):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, [rank % 4]) * (rank + 1.0))
+        return hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient(loss, [table])[0]
+
+    expected = np.zeros((4, 2))
+    for r in range(size):
+        expected[r % 4] += (r + 1.0) / size
+    sparse = grads(False)
+    assert isinstance(sparse, tf.IndexedSlices)
+    np.testing.assert_allclose(tf.convert_to_tensor(sparse).numpy(), expected)
+    dense = grads(True)
+    assert isinstance(dense, tf.Tensor)
+    np.testing.assert_allclose(dense.numpy(), expected)
+
+
+def test_allreduce_gradients_with_a_predivide_factor_still_averages(rank, size):
+    grads = [tf.constant([float(rank), 1.0]), None]
+    averaged, none = hvd.allreduce_gradients(grads, gradient_predivide_factor=2.0)
+    assert none is None
+    np.testing.assert_allclose(averaged.numpy(), [(size - 1) / 2, 1.0])
+    with pytest.raises(ValueError, match=f"rank {rank}: .*gradient_predivide_factor=2.0 needs op=Average"):
+        hvd.allreduce_gradients(grads, op=hvd.Sum, gradient_predivide_factor=2.0)
