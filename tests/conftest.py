@@ -41,6 +41,8 @@ JAX_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("jax", "op
 NO_JAX_REASON = "needs JAX and optax, which are not installed (pip install gradsync[jax])"
 LIGHTNING_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("lightning", "torchmetrics"))
 NO_LIGHTNING_REASON = "needs Lightning and torchmetrics, which are not installed (pip install gradsync[lightning])"
+KERAS_INSTALLED = importlib.util.find_spec("keras") is not None
+NO_KERAS_REASON = "needs Keras 3, which is not installed (pip install gradsync[keras])"
 PARALLEL = Path(__file__).parent / "parallel"
 # Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
 _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -75,7 +77,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
                                       ("jax", JAX_INSTALLED, NO_JAX_REASON),
-                                      ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON)):
+                                      ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON),
+                                      ("keras", KERAS_INSTALLED, NO_KERAS_REASON)):
         if installed:
             continue
         skip = pytest.mark.skip(reason=reason)
