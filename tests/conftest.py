@@ -20,6 +20,9 @@ Tests that need JAX (and optax) carry ``@pytest.mark.jax`` and skip the same way
 installed. .ci/run's JAX pass runs ``-m jax`` in a venv with jax but without torch, with
 ``GRADSYNC_TEST_REQUIRE_JAX=1``: the session stops at once if jax cannot be imported, so that the
 pass cannot succeed by skipping.
+
+Tests that need TensorFlow carry ``@pytest.mark.tensorflow`` and skip the same way where it is not
+installed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ LIGHTNING_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("lig
 NO_LIGHTNING_REASON = "needs Lightning and torchmetrics, which are not installed (pip install gradsync[lightning])"
 KERAS_INSTALLED = importlib.util.find_spec("keras") is not None
 NO_KERAS_REASON = "needs Keras 3, which is not installed (pip install gradsync[keras])"
+TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
+NO_TENSORFLOW_REASON = "needs TensorFlow, which is not installed (pip install gradsync[tensorflow])"
 PARALLEL = Path(__file__).parent / "parallel"
 # Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
 _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -78,7 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
                                       ("jax", JAX_INSTALLED, NO_JAX_REASON),
                                       ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON),
-                                      ("keras", KERAS_INSTALLED, NO_KERAS_REASON)):
+                                      ("keras", KERAS_INSTALLED, NO_KERAS_REASON),
+                                      ("tensorflow", TENSORFLOW_INSTALLED, NO_TENSORFLOW_REASON)):
         if installed:
             continue
         skip = pytest.mark.skip(reason=reason)

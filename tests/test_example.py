@@ -12,6 +12,7 @@ from mpi_launch import REPO, run_mpi
 pytestmark = pytest.mark.mpi
 EXAMPLE = REPO / "examples" / "train_digits.py"
 JAX_EXAMPLE = REPO / "examples" / "train_digits_jax.py"
+TF_EXAMPLE = REPO / "examples" / "train_digits_tf.py"
 LIGHTNING_EXAMPLE = REPO / "examples" / "train_digits_lightning.py"
 KERAS_EXAMPLE = REPO / "examples" / "train_digits_keras.py"
 
@@ -72,6 +73,13 @@ def test_jax_digits_example_trains_with_its_update_in_jit_and_on_the_host():
     on_host = run_mpi(JAX_EXAMPLE, 2, "--update", "host", "--epochs", "3", timeout=240).stdout
     three_epochs = [line for line in in_jit.splitlines() if line.startswith("epoch 3/")]
     assert three_epochs and three_epochs[0].replace("3/20", "3/3") in on_host, on_host
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_digits_example_trains_with_its_tape_in_a_tf_function():
+    output = run_mpi(TF_EXAMPLE, 2, timeout=240, separate_stderr=True).stdout
+    assert "epoch 20/20: " in output, output
+    assert final_accuracy(output) >= 0.95, output
 
 
 @pytest.mark.torch

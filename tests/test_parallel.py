@@ -61,14 +61,14 @@ def _variant_jobs(path: Path) -> list[tuple[str, Job]]:
 def _jobs():
     for path in sorted(PARALLEL.glob("test_*.py")):
         marks = [pytest.mark.mpi]
-        for framework in ("torch", "jax", "lightning", "keras"):
+        for framework in ("torch", "jax", "lightning", "keras", "tensorflow"):
             if re.search(rf"^pytestmark\s*=.*pytest\.mark\.{framework}\b", path.read_text(), re.M):
                 marks.append(getattr(pytest.mark, framework))
         plain = [(f"{path.stem}-{n}", Job(path, n)) for n in _module_setting(path, "RANKS", DEFAULT_RANKS)]
         for job_id, job in plain + _variant_jobs(path):
-            # A Keras job needs its backend's framework too: the torch or jax mark skips it without.
+            # A Keras job needs its backend's framework too: its torch, jax or tensorflow mark skips it without.
             backend = job.env.get("KERAS_BACKEND")
-            extra = [getattr(pytest.mark, backend)] if backend in ("torch", "jax") else []
+            extra = [getattr(pytest.mark, backend)] if backend in ("torch", "jax", "tensorflow") else []
             yield pytest.param(job, id=job_id, marks=marks + extra)
 
 
