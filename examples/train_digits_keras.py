@@ -8,6 +8,7 @@ make the script data-parallel (the same lines as with horovod.tensorflow.keras).
 
     KERAS_BACKEND=jax mpiexec -n 2 python examples/train_digits_keras.py
     KERAS_BACKEND=torch mpiexec -n 2 python examples/train_digits_keras.py
+    KERAS_BACKEND=tensorflow mpiexec -n 2 python examples/train_digits_keras.py
 
 The last line printed (by rank 0) is ``test_accuracy=<float>``.
 """

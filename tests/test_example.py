@@ -100,7 +100,8 @@ def test_lightning_digits_example_trains_at_2_ranks_and_resumes_at_1(tmp_path):
 
 @pytest.mark.keras
 @pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.jax),
-                                     pytest.param("torch", marks=pytest.mark.torch)])
+                                     pytest.param("torch", marks=pytest.mark.torch),
+                                     pytest.param("tensorflow", marks=pytest.mark.tensorflow)])
 def test_keras_digits_example_trains_on_each_backend(backend):
     out = run_mpi(KERAS_EXAMPLE, 2, "--epochs", "10", env={"KERAS_BACKEND": backend}, timeout=240).stdout
     assert final_accuracy(out) >= 0.95, out

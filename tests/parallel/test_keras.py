@@ -13,6 +13,7 @@ RANKS = ()  # every job names its backend: VARIANTS
 VARIANTS = {
     "jax": {"env": {"KERAS_BACKEND": "jax"}, "ranks": (1, 2, 4)},
     "torch": {"env": {"KERAS_BACKEND": "torch"}, "ranks": (1, 2, 4)},
+    "tensorflow": {"env": {"KERAS_BACKEND": "tensorflow"}, "ranks": (1, 2, 4)},
 }
 BACKEND = os.environ.setdefault("KERAS_BACKEND", "jax")
 pytestmark = pytest.mark.keras

@@ -1,8 +1,9 @@
 """Keras 3 data parallelism on any backend, a drop-in for ``horovod.tensorflow.keras``:
 ``import gradsync.keras as hvd``.
 
-Choose the backend before importing keras (``KERAS_BACKEND=jax|torch``); gradsync.keras reduces
-that backend's gradients through its adapter (gradsync.jax, gradsync.torch), inside ``model.fit``'s
+Choose the backend before importing keras (``KERAS_BACKEND=jax|torch|tensorflow``); gradsync.keras
+reduces that backend's gradients through its adapter (gradsync.jax, gradsync.torch,
+gradsync.tensorflow), inside ``model.fit``'s
 compiled train step. Importing it imports keras; ``import gradsync`` alone does not::
 
     import gradsync.keras as hvd

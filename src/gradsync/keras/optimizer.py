@@ -5,7 +5,7 @@ Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``), rebuilt from its `
 ``get_config``/``from_config`` and saving keep working. Its ``apply`` (which ``apply_gradients``
 and every Keras backend's train step call) averages the gradients across ranks before the wrapped
 optimizer's own ``apply`` clips them and updates the variables. The averaging itself is the
-backend adapter's (:mod:`gradsync.keras._jax`, ``_torch``): one small module per Keras backend.
+backend adapter's (:mod:`gradsync.keras._jax`, ``_torch``, ``_tensorflow``): one small module per Keras backend.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
 
     The averaging runs inside ``model.fit``'s compiled train step: under ``jax.jit`` on JAX (one
     ordered callback, :func:`gradsync.jax.grouped_allreduce`), eagerly on torch
-    (:func:`gradsync.torch.grouped_allreduce`). All gradients of a step are one grouped allreduce.
+    (:func:`gradsync.torch.grouped_allreduce`), in ``tf.function`` on TensorFlow
+    (:func:`gradsync.tensorflow.grouped_allreduce`). All gradients of a step are one grouped allreduce.
     It happens before the optimizer's clipping (``clipnorm``...) and loss-scale handling, as in
     Horovod. N ranks with batch B each then take the same steps as one process with batch N*B.
 
