@@ -5,7 +5,8 @@ Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``), rebuilt from its `
 ``get_config``/``from_config`` and saving keep working. Its ``apply`` (which ``apply_gradients``
 and every Keras backend's train step call) averages the gradients across ranks before the wrapped
 optimizer's own ``apply`` clips them and updates the variables. The averaging itself is the
-backend adapter's (:mod:`gradsync.keras._jax`, ``_torch``, ``_tensorflow``): one small module per Keras backend.
+backend adapter's (:mod:`gradsync.keras._jax`, ``_torch``, ``_tensorflow``): one small module per
+Keras backend.
 """
 
 from __future__ import annotations
