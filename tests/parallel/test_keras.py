@@ -162,3 +162,17 @@ def test_the_wrapped_optimizer_keeps_its_config_and_load_model_wraps_it_again(ca
     np.testing.assert_array_equal(flat(loaded.get_weights()), flat(model.get_weights()))
     loaded.fit(x, y, batch_size=B, verbose=0)  # trains on: its gradients are averaged again
     assert_same_on_every_rank(loaded.get_weights(), case)
+
+
+def test_fp16_compression_trains_as_the_reference_to_half_precision(case):
+    steps = 2
+    x, y = rank_data(gradsync.rank(), steps * B)
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), compression=hvd.Compression.fp16)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_on_every_rank(model.get_weights(), case)
+    assert all(w.dtype == np.float32 for w in model.get_weights())
+    # each rank's gradient rounded to float16 (relative 2**-11) before the average: LR * |g| * 1e-3
+    difference = np.abs(flat(model.get_weights()) - flat(reference_weights(steps, B, LR)))
+    assert 1e-6 < difference.max() < 2e-3  # rounded (so it was compressed), but only that much

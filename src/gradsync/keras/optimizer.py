@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from .. import ops, runtime
-from ..compression import Compression, Compressor
+from ..compression import CastCompressor, Compression, Compressor
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 
@@ -39,6 +39,25 @@ def backend_ops() -> Any:
         raise NotImplementedError(f"gradsync: rank {runtime.get().rank}: gradsync.keras supports the Keras "
                                   f"backends {sorted(BACKEND_MODULES)}, not KERAS_BACKEND={backend!r}")
     return importlib.import_module(BACKEND_MODULES[backend])
+
+
+class _KerasCast(CastCompressor):
+    """gradsync's 16-bit cast compressors on ``keras.ops``: the same rule (float32/float64 travel
+    as ``dtype``), on any backend's tensors, traced ones (under ``jax.jit``) included."""
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        original = keras.backend.standardize_dtype(tensor.dtype)
+        if original not in ("float32", "float64"):
+            return tensor, None
+        return keras.ops.cast(tensor, self.dtype), original
+
+    def decompress(self, tensor: Any, context: Any) -> Any:
+        return tensor if context is None else keras.ops.cast(tensor, context)
+
+
+def _for_keras(compression: Compressor) -> Compressor:
+    """The compressor to run inside the train step: built-in casts through keras.ops, others as given."""
+    return _KerasCast(compression.dtype) if type(compression) is CastCompressor else compression
 
 
 @dataclass(frozen=True)
@@ -161,8 +180,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
     base = type(optimizer)
     while issubclass(base, _Distributed):  # wrapping twice would average twice
         base = base.__mro__[2]
-    settings = _Settings(name or f"Distributed{base.__name__}", compression, ReduceOp(op), passes,
-                         average_aggregated_gradients, process_set)
+    settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
+                         passes, average_aggregated_gradients, process_set)
     return _distributed_class(base, settings).from_config(config)
 
 
@@ -204,7 +223,7 @@ def load_model(filepath: str, custom_optimizers: list[type] | None = None,
                if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
     wrapped = {}
     for base in classes + list(custom_optimizers or []):
-        settings = _Settings(f"Distributed{base.__name__}", compression, ReduceOp.Average, 1, False,
-                             global_process_set)
+        settings = _Settings(f"Distributed{base.__name__}", _for_keras(compression), ReduceOp.Average,
+                             1, False, global_process_set)
         wrapped[base.__name__] = _distributed_class(base, settings)
     return keras.models.load_model(filepath, custom_objects={**wrapped, **(custom_objects or {})}, **kwargs)
