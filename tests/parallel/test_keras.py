@@ -77,20 +77,30 @@ def test_fit_equals_single_process_fit_on_the_concatenated_batch(case):
     np.testing.assert_allclose(flat(model.get_weights()), flat(reference_weights(steps, B, LR)), atol=1e-5)
 
 
-@pytest.mark.parametrize("average", [False, True], ids=["summed", "averaged"])
-def test_backward_passes_per_step_communicates_the_aggregate(case, average):
+@pytest.mark.parametrize("how", ["summed", "averaged", "keras-accumulation"])
+def test_backward_passes_per_step_communicates_the_aggregate(case, how):
     passes, updates = 2, 2
     x, y = rank_data(gradsync.rank(), passes * updates * B, seed=1)
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=passes,
-                                         average_aggregated_gradients=average)
+    if how == "keras-accumulation":  # Keras's own gradient_accumulation_steps: averaged
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR, gradient_accumulation_steps=passes))
+    else:
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=passes,
+                                             average_aggregated_gradients=how == "averaged")
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
     # The update uses the k micro-batch gradients summed (or averaged): plain SGD on all k*B
     # samples of every rank at once, with the learning rate times k when summed.
-    expected = reference_weights(updates, passes * B, LR if average else LR * passes, seed=1)
+    expected = reference_weights(updates, passes * B, LR * passes if how == "summed" else LR, seed=1)
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == updates  # Keras counts updates
     np.testing.assert_allclose(flat(model.get_weights()), flat(expected), atol=1e-5)
+
+
+def test_backward_passes_per_step_must_agree_with_the_optimizers_accumulation():
+    with pytest.raises(ValueError, match="backward_passes_per_step=3 must be >= 1 and agree with the "
+                                         "optimizer's gradient_accumulation_steps=2"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(LR, gradient_accumulation_steps=2),
+                                 backward_passes_per_step=3)
 
 
 class _Record(keras.callbacks.Callback):

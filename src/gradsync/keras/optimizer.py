@@ -166,6 +166,18 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
         NotImplementedError (when training): a Keras backend without a gradsync adapter.
     """
     config = optimizer.get_config()
+    passes, average = _passes(config, backward_passes_per_step, average_aggregated_gradients)
+    base = type(optimizer)
+    while issubclass(base, _Distributed):  # wrapping twice would average twice
+        base = base.__mro__[2]
+    settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
+                         passes, average, process_set)
+    return _distributed_class(base, settings).from_config(config)
+
+
+def _passes(config: dict, backward_passes_per_step: int, average: bool) -> tuple[int, bool]:
+    """(k, average the k-pass sum) from the arguments and the optimizer's own accumulation; sets
+    ``gradient_accumulation_steps`` in ``config`` to k when k > 1."""
     accumulation = config.get("gradient_accumulation_steps") or 1
     if backward_passes_per_step < 1 or backward_passes_per_step > 1 and accumulation not in (
             1, backward_passes_per_step):
@@ -173,16 +185,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
                          f"backward_passes_per_step={backward_passes_per_step} must be >= 1 and agree with "
                          f"the optimizer's gradient_accumulation_steps={accumulation}")
     passes = max(backward_passes_per_step, accumulation)
-    if backward_passes_per_step == 1 and accumulation > 1:
-        average_aggregated_gradients = True
     if passes > 1:
         config["gradient_accumulation_steps"] = passes
-    base = type(optimizer)
-    while issubclass(base, _Distributed):  # wrapping twice would average twice
-        base = base.__mro__[2]
-    settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
-                         passes, average_aggregated_gradients, process_set)
-    return _distributed_class(base, settings).from_config(config)
+    return passes, average or (backward_passes_per_step == 1 and accumulation > 1)
 
 
 def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadcast_variables",
