@@ -55,6 +55,8 @@ JAX_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("jax", "op
 NO_JAX_REASON = "needs JAX and optax, which are not installed (pip install gradsync[jax])"
 LIGHTNING_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("lightning", "torchmetrics"))
 NO_LIGHTNING_REASON = "needs Lightning and torchmetrics, which are not installed (pip install gradsync[lightning])"
+KERAS_INSTALLED = importlib.util.find_spec("keras") is not None
+NO_KERAS_REASON = "needs Keras 3, which is not installed (pip install gradsync[keras])"
 TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
 NO_TENSORFLOW_REASON = "needs TensorFlow, which is not installed (pip install gradsync[tensorflow])"
 PARALLEL = Path(__file__).parent / "parallel"
@@ -106,6 +108,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for marker, installed, reason in (("torch", TORCH_INSTALLED, NO_TORCH_REASON),
                                       ("jax", JAX_INSTALLED, NO_JAX_REASON),
                                       ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON),
+                                      ("keras", KERAS_INSTALLED, NO_KERAS_REASON),
                                       ("tensorflow", TENSORFLOW_INSTALLED, NO_TENSORFLOW_REASON)):
         if installed:
             continue

@@ -14,6 +14,7 @@ EXAMPLE = REPO / "examples" / "train_digits.py"
 JAX_EXAMPLE = REPO / "examples" / "train_digits_jax.py"
 TF_EXAMPLE = REPO / "examples" / "train_digits_tf.py"
 LIGHTNING_EXAMPLE = REPO / "examples" / "train_digits_lightning.py"
+KERAS_EXAMPLE = REPO / "examples" / "train_digits_keras.py"
 
 
 def final_accuracy(output: str) -> float:
@@ -95,3 +96,12 @@ def test_lightning_digits_example_trains_at_2_ranks_and_resumes_at_1(tmp_path):
     # 2 more epochs at 1 rank: 1347 / 32 = 43 steps each
     assert "resuming from" in resumed and "epochs=22 steps=526 " in resumed, resumed
     assert final_accuracy(resumed) >= 0.95, resumed
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.jax),
+                                     pytest.param("torch", marks=pytest.mark.torch),
+                                     pytest.param("tensorflow", marks=pytest.mark.tensorflow)])
+def test_keras_digits_example_trains_on_each_backend(backend):
+    out = run_mpi(KERAS_EXAMPLE, 2, "--epochs", "10", env={"KERAS_BACKEND": backend}, timeout=240).stdout
+    assert final_accuracy(out) >= 0.95, out

@@ -1,0 +1,234 @@
+"""DistributedOptimizer for Keras 3 optimizers, broadcast_variables and load_model.
+
+The wrapped optimizer is an instance of a dynamic subclass of the given optimizer's class (as
+Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``), rebuilt from its ``get_config()``:
+``get_config``/``from_config`` and saving keep working. Its ``apply`` (which ``apply_gradients``
+and every Keras backend's train step call) averages the gradients across ranks before the wrapped
+optimizer's own ``apply`` clips them and updates the variables. The averaging itself is the
+backend adapter's (:mod:`gradsync.keras._jax`, ``_torch``, ``_tensorflow``): one small module per
+Keras backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+
+from .. import ops, runtime
+from ..compression import CastCompressor, Compression, Compressor
+from ..process_sets import ProcessSet, global_process_set
+from ..protocol import ReduceOp
+
+#: Keras backend -> the gradsync module that reduces that backend's tensors inside its train step.
+BACKEND_MODULES = {"jax": "gradsync.keras._jax", "torch": "gradsync.keras._torch",
+                   "tensorflow": "gradsync.keras._tensorflow"}
+
+
+def backend_ops() -> Any:
+    """The adapter module of the running Keras backend (``keras.backend.backend()``).
+
+    Raises:
+        NotImplementedError: a backend gradsync has no adapter for (numpy, openvino).
+    """
+    backend = keras.backend.backend()
+    if backend not in BACKEND_MODULES:
+        raise NotImplementedError(f"gradsync: rank {runtime.get().rank}: gradsync.keras supports the Keras "
+                                  f"backends {sorted(BACKEND_MODULES)}, not KERAS_BACKEND={backend!r}")
+    return importlib.import_module(BACKEND_MODULES[backend])
+
+
+class _KerasCast(CastCompressor):
+    """gradsync's 16-bit cast compressors on ``keras.ops``: the same rule (float32/float64 travel
+    as ``dtype``), on any backend's tensors, traced ones (under ``jax.jit``) included."""
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        original = keras.backend.standardize_dtype(tensor.dtype)
+        if original not in ("float32", "float64"):
+            return tensor, None
+        return keras.ops.cast(tensor, self.dtype), original
+
+    def decompress(self, tensor: Any, context: Any) -> Any:
+        return tensor if context is None else keras.ops.cast(tensor, context)
+
+
+def _for_keras(compression: Compressor) -> Compressor:
+    """The compressor to run inside the train step: built-in casts through keras.ops, others as given."""
+    return _KerasCast(compression.dtype) if type(compression) is CastCompressor else compression
+
+
+@dataclass(frozen=True)
+class _Settings:
+    name: str
+    compression: Compressor
+    op: ReduceOp
+    passes: int  # backward passes per step (Keras's gradient_accumulation_steps)
+    average_aggregated: bool
+    process_set: ProcessSet
+
+
+class _Distributed:
+    """The mixin put before the wrapped optimizer's class: averages gradients in ``apply``."""
+
+    _gradsync: _Settings
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Average ``grads`` across ranks (every k-th pass only, with k backward passes per step),
+        then run the wrapped optimizer's ``apply``; see :func:`DistributedOptimizer`."""
+        grads = list(grads)
+        if trainable_variables is not None and not self.built:
+            self.build(list(trainable_variables))
+        variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            given = [grads[i] for i in present]
+            if self._gradsync.passes > 1:
+                reduced = self._reduce_every_kth(given, [variables[i] for i in present])
+            else:
+                reduced = self._reduce(given)
+            for i, g in zip(present, reduced):
+                grads[i] = g
+        return super().apply(grads, trainable_variables)
+
+    def _reduce(self, grads: list[Any]) -> list[Any]:
+        settings = self._gradsync
+        compressed, contexts = zip(*[settings.compression.compress(g) for g in grads])
+        reduced = backend_ops().grouped_allreduce(list(compressed), f"{settings.name}.gradients",
+                                                  settings.op, settings.process_set)
+        return [settings.compression.decompress(g, c) for g, c in zip(reduced, contexts)]
+
+    def _reduce_every_kth(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """With Keras's gradient accumulation over k passes, communicate on the k-th pass only.
+
+        Keras then applies ``(g + acc) / k`` (``acc``: the sum of the k-1 earlier passes); returning
+        ``R * s - acc``, with ``R`` the allreduce of the local sums ``g + acc``, makes that ``R / k``
+        (``s = 1``, averaged aggregation) or ``R`` (``s = k``, Horovod's default). The condition
+        depends on the iteration counter only, which is the same on every rank.
+        """
+        k = self._gradsync.passes
+        accumulated = [self._accumulated_gradients[self._get_variable_index(v)] for v in variables]
+        scale = 1 if self._gradsync.average_aggregated else k
+
+        def communicate() -> list[Any]:
+            sums = [g + a.value for g, a in zip(grads, accumulated)]
+            return [r * scale - a.value for r, a in zip(self._reduce(sums), accumulated)]
+
+        return keras.ops.cond((self._iterations + 1) % k == 0, communicate, lambda: list(grads))
+
+
+def _distributed_class(base: type, settings: _Settings) -> type:
+    """A subclass of the optimizer class ``base`` whose instances average gradients first."""
+    return type(base.__name__, (_Distributed, base), {"_gradsync": settings, "__module__": base.__module__,
+                                                      "__doc__": base.__doc__})
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
+                         compression: Compressor = Compression.none, op: ReduceOp = ReduceOp.Average,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         process_set: ProcessSet = global_process_set) -> Any:
+    """A Keras 3 optimizer that averages the gradients across ranks before every update
+    (``horovod.tensorflow.keras.DistributedOptimizer`` on Keras 3, any backend).
+
+    The averaging runs inside ``model.fit``'s compiled train step: under ``jax.jit`` on JAX (one
+    ordered callback, :func:`gradsync.jax.grouped_allreduce`), eagerly on torch
+    (:func:`gradsync.torch.grouped_allreduce`), in ``tf.function`` on TensorFlow
+    (:func:`gradsync.tensorflow.grouped_allreduce`). All gradients of a step are one grouped allreduce.
+    It happens before the optimizer's clipping (``clipnorm``...) and loss-scale handling, as in
+    Horovod. N ranks with batch B each then take the same steps as one process with batch N*B.
+
+    ``backward_passes_per_step=k`` accumulates k local gradients (Keras's own
+    ``gradient_accumulation_steps``, which it sets) and communicates on every k-th pass only; the
+    update then uses the sum of the k averaged gradients, or their mean with
+    ``average_aggregated_gradients=True`` (Horovod's semantics). An optimizer already built with
+    ``gradient_accumulation_steps=k`` is treated as ``backward_passes_per_step=k`` with averaging
+    (Keras's semantics).
+
+    Args:
+        optimizer: a Keras 3 optimizer, not yet built (its variables are not copied: wrap it
+            before ``compile``).
+        name: the collectives' name prefix (default ``"Distributed<Class>"``); the same on every rank.
+        compression: :class:`gradsync.Compression` ``none`` (default), ``fp16`` or ``bf16``, or any
+            :class:`gradsync.Compressor` working on the backend's tensors.
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: k >= 1, see above.
+        average_aggregated_gradients: with k > 1, divide the k-pass sum by k.
+        process_set: the ranks that average their gradients (default: every rank).
+
+    Returns:
+        A new optimizer of a subclass of ``type(optimizer)``, with the same config.
+
+    Raises:
+        ValueError: ``backward_passes_per_step`` < 1, or > 1 on an optimizer that already has a
+            different ``gradient_accumulation_steps``.
+        NotImplementedError (when training): a Keras backend without a gradsync adapter.
+    """
+    config = optimizer.get_config()
+    passes, average = _passes(config, backward_passes_per_step, average_aggregated_gradients)
+    base = type(optimizer)
+    while issubclass(base, _Distributed):  # wrapping twice would average twice
+        base = base.__mro__[2]
+    settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
+                         passes, average, process_set)
+    return _distributed_class(base, settings).from_config(config)
+
+
+def _passes(config: dict, backward_passes_per_step: int, average: bool) -> tuple[int, bool]:
+    """(k, average the k-pass sum) from the arguments and the optimizer's own accumulation; sets
+    ``gradient_accumulation_steps`` in ``config`` to k when k > 1."""
+    accumulation = config.get("gradient_accumulation_steps") or 1
+    if backward_passes_per_step < 1 or backward_passes_per_step > 1 and accumulation not in (
+            1, backward_passes_per_step):
+        raise ValueError(f"gradsync: rank {runtime.get().rank}: DistributedOptimizer: "
+                         f"backward_passes_per_step={backward_passes_per_step} must be >= 1 and agree with "
+                         f"the optimizer's gradient_accumulation_steps={accumulation}")
+    passes = max(backward_passes_per_step, accumulation)
+    if passes > 1:
+        config["gradient_accumulation_steps"] = passes
+    return passes, average or (backward_passes_per_step == 1 and accumulation > 1)
+
+
+def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadcast_variables",
+                        process_set: ProcessSet = global_process_set) -> None:
+    """Assign ``root_rank``'s values of ``variables`` (Keras variables) to them on every rank
+    (``horovod.tensorflow.keras.broadcast_variables``).
+
+    Each variable is copied to host memory (``keras.ops.convert_to_numpy``), broadcast (MPI_Bcast
+    semantics, named ``<name>.<index>``, all started before any is waited on) and assigned back.
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank (of ``process_set``).
+        gradsync.CollectiveError: the ranks' variables differ in number, shape or dtype (the message
+            names the variable and each rank's value).
+    """
+    variables = list(variables)
+    values = [keras.ops.convert_to_numpy(v) for v in variables]
+    handles = [ops.broadcast_async(np.ascontiguousarray(value), root_rank, name=f"{name}.{i}",
+                                   process_set=process_set) for i, value in enumerate(values)]
+    for variable, value, handle in zip(variables, values, handles):
+        variable.assign(handle.wait().reshape(value.shape))  # 0-d values travel as shape (1,)
+
+
+def load_model(filepath: str, custom_optimizers: list[type] | None = None,
+               custom_objects: dict[str, Any] | None = None, compression: Compressor = Compression.none,
+               **kwargs: Any) -> Any:
+    """Load a model saved with a DistributedOptimizer, its optimizer wrapped again
+    (``horovod.tensorflow.keras.load_model``).
+
+    Every optimizer class of ``keras.optimizers`` and of ``custom_optimizers`` is mapped, by class
+    name, to its distributed subclass (with ``compression``, other settings at their defaults);
+    ``custom_objects`` and ``kwargs`` go to ``keras.models.load_model``.
+
+    Raises:
+        The errors of ``keras.models.load_model`` (a missing file, an unknown class).
+    """
+    classes = [c for c in vars(keras.optimizers).values()
+               if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
+    wrapped = {}
+    for base in classes + list(custom_optimizers or []):
+        settings = _Settings(f"Distributed{base.__name__}", _for_keras(compression), ReduceOp.Average,
+                             1, False, global_process_set)
+        wrapped[base.__name__] = _distributed_class(base, settings)
+    return keras.models.load_model(filepath, custom_objects={**wrapped, **(custom_objects or {})}, **kwargs)

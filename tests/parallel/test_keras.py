@@ -1,0 +1,188 @@
+"""gradsync.keras on every rank, for the Keras backend of KERAS_BACKEND (one job per backend, see
+VARIANTS): model.fit with DistributedOptimizer against single-process fit on the concatenated
+batch, weights identical on every rank, the callbacks against their formulas, load_model."""
+
+import os
+
+import numpy as np
+import pytest
+
+import gradsync
+
+RANKS = ()  # every job names its backend: VARIANTS
+VARIANTS = {
+    "jax": {"env": {"KERAS_BACKEND": "jax"}, "ranks": (1, 2, 4)},
+    "torch": {"env": {"KERAS_BACKEND": "torch"}, "ranks": (1, 2, 4)},
+    "tensorflow": {"env": {"KERAS_BACKEND": "tensorflow"}, "ranks": (1, 2, 4)},
+}
+BACKEND = os.environ.setdefault("KERAS_BACKEND", "jax")
+pytestmark = pytest.mark.keras
+pytest.importorskip(BACKEND)  # the backend's framework: skip where it is not installed
+keras = pytest.importorskip("keras")
+hvd = pytest.importorskip("gradsync.keras")
+if BACKEND == "torch":
+    import torch
+
+    torch.set_num_threads(1)
+
+B = 4  # samples per rank per step
+LR = 0.1
+
+
+def rank_data(rank, samples, seed=0):
+    rng = np.random.default_rng(100 * seed + rank)
+    return rng.normal(size=(samples, 5)).astype("float32"), rng.normal(size=(samples, 2)).astype("float32")
+
+
+def make_model():
+    keras.utils.set_random_seed(0)  # the same initial weights on every rank and in the reference
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(2)])
+
+
+def interleaved(size, steps, per_step, seed=0):
+    """Every rank's data, arranged so that batch j of size*per_step samples holds each rank's batch j."""
+    data = [rank_data(r, steps * per_step, seed) for r in range(size)]
+    xs = [np.concatenate([d[i][j * per_step:(j + 1) * per_step] for d in data]) for j in range(steps)
+          for i in (0,)]
+    ys = [np.concatenate([d[1][j * per_step:(j + 1) * per_step] for d in data]) for j in range(steps)]
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def reference_weights(steps, per_update, lr, seed=0):
+    """Single-process SGD on the concatenated batches (per_update samples of each rank per update)."""
+    x, y = interleaved(gradsync.size(), steps, per_update, seed)
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    model.fit(x, y, batch_size=gradsync.size() * per_update, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def flat(weights):
+    return np.concatenate([np.ravel(w) for w in weights]).astype(np.float64)
+
+
+def assert_same_on_every_rank(weights, case):
+    gathered = gradsync.allgather(flat(weights)[None], name=f"{case}.weights")
+    np.testing.assert_array_equal(gathered, np.broadcast_to(gathered[:1], gathered.shape))
+
+
+def test_fit_equals_single_process_fit_on_the_concatenated_batch(case):
+    steps = 3
+    x, y = rank_data(gradsync.rank(), steps * B)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_same_on_every_rank(model.get_weights(), case)
+    np.testing.assert_allclose(flat(model.get_weights()), flat(reference_weights(steps, B, LR)), atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["summed", "averaged", "keras-accumulation"])
+def test_backward_passes_per_step_communicates_the_aggregate(case, how):
+    passes, updates = 2, 2
+    x, y = rank_data(gradsync.rank(), passes * updates * B, seed=1)
+    model = make_model()
+    if how == "keras-accumulation":  # Keras's own gradient_accumulation_steps: averaged
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR, gradient_accumulation_steps=passes))
+    else:
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=passes,
+                                             average_aggregated_gradients=how == "averaged")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    # The update uses the k micro-batch gradients summed (or averaged): plain SGD on all k*B
+    # samples of every rank at once, with the learning rate times k when summed.
+    expected = reference_weights(updates, passes * B, LR * passes if how == "summed" else LR, seed=1)
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == updates  # Keras counts updates
+    np.testing.assert_allclose(flat(model.get_weights()), flat(expected), atol=1e-5)
+
+
+def test_backward_passes_per_step_must_agree_with_the_optimizers_accumulation():
+    with pytest.raises(ValueError, match="backward_passes_per_step=3 must be >= 1 and agree with the "
+                                         "optimizer's gradient_accumulation_steps=2"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(LR, gradient_accumulation_steps=2),
+                                 backward_passes_per_step=3)
+
+
+class _Record(keras.callbacks.Callback):
+    """Copies the logs and the learning rate as the callbacks before it left them."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch_logs, self.rates = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs.append(dict(logs))
+
+
+def test_metric_average_callback_averages_every_rank_logs(case):
+    x, y = rank_data(gradsync.rank(), 2 * B, seed=2 + gradsync.rank())  # a different loss on each rank
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse", metrics=["mae"])
+    before, after = _Record(), _Record()
+    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[before, hvd.callbacks.MetricAverageCallback(), after])
+    own = np.array([[logs["loss"], logs["mae"]] for logs in before.epoch_logs])
+    every = gradsync.allgather(own[None], name=f"{case}.own")
+    averaged = np.array([[logs["loss"], logs["mae"]] for logs in after.epoch_logs])
+    np.testing.assert_allclose(averaged, every.mean(axis=0), rtol=1e-12)
+
+
+def test_warmup_callback_follows_horovods_formula(case):
+    steps, epochs, initial = 3, 3, 0.2
+    x, y = rank_data(gradsync.rank(), steps * B)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(initial)), loss="mse")
+    record = _Record()
+    model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial, warmup_epochs=2), record])
+    n = gradsync.size()
+    expected = [initial / n * ((e + b / steps + 1 / steps) * (n - 1) / 2 + 1)
+                for e in range(2) for b in range(steps)]
+    expected += [expected[-1]] * steps  # after the warm-up the rate stays
+    np.testing.assert_allclose(record.rates, expected, rtol=1e-6)
+    assert expected[steps * 2 - 1] == pytest.approx(initial)
+
+
+def test_broadcast_variables_gives_every_rank_the_roots_values(case, rank):
+    model = make_model()
+    for variable in model.variables:
+        variable.assign(np.full(variable.shape, rank + 1.0, "float32"))
+    hvd.broadcast_variables(model.variables, root_rank=gradsync.size() - 1)
+    np.testing.assert_array_equal(flat(model.get_weights()), np.full(flat(model.get_weights()).shape,
+                                                                     float(gradsync.size())))
+
+
+def test_the_wrapped_optimizer_keeps_its_config_and_load_model_wraps_it_again(case, tmp_path):
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, beta_1=0.8))
+    assert isinstance(optimizer, keras.optimizers.Adam)
+    again = type(optimizer).from_config(optimizer.get_config())
+    assert type(again) is type(optimizer) and again.get_config() == optimizer.get_config()
+    x, y = rank_data(gradsync.rank(), B)
+    model = make_model()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=B, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = hvd.load_model(path)
+    assert type(loaded.optimizer).__mro__[1].__name__ == "_Distributed"
+    assert loaded.optimizer.get_config()["beta_1"] == pytest.approx(0.8)
+    np.testing.assert_array_equal(flat(loaded.get_weights()), flat(model.get_weights()))
+    loaded.fit(x, y, batch_size=B, verbose=0)  # trains on: its gradients are averaged again
+    assert_same_on_every_rank(loaded.get_weights(), case)
+
+
+def test_fp16_compression_trains_as_the_reference_to_half_precision(case):
+    steps = 2
+    x, y = rank_data(gradsync.rank(), steps * B)
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), compression=hvd.Compression.fp16)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_on_every_rank(model.get_weights(), case)
+    assert all(w.dtype == np.float32 for w in model.get_weights())
+    # each rank's gradient rounded to float16 (relative 2**-11) before the average: LR * |g| * 1e-3
+    difference = np.abs(flat(model.get_weights()) - flat(reference_weights(steps, B, LR)))
+    assert 1e-6 < difference.max() < 2e-3  # rounded (so it was compressed), but only that much
