@@ -122,11 +122,14 @@ def _run_once(cmd: list[str], timeout: float, env: dict[str, str] | None,
 REPORT_PREFIX = "GRADSYNC_REPORT "  # tests/workers/report.py
 
 
-def reports(output: str, n: int) -> dict[int, dict]:
+def reports(output: str, n: int, every: bool = True) -> dict[int, dict]:
     """rank -> the report (tests/workers/report.py) that rank printed in ``output``.
 
-    Fails unless ranks 0 .. n-1 each reported exactly once. A report is found wherever it starts
-    on a line, so a launcher that forwarded another rank's partial line before it does not hide it.
+    Fails unless ranks 0 .. n-1 each reported exactly once; with ``every=False``, unless at least
+    one of them did and none twice (a job whose first rank to exit with an error makes the
+    launcher kill the others, Open MPI's prterun, may end before they report). A report is found
+    wherever it starts on a line, so a launcher that forwarded another rank's partial line before
+    it does not hide it.
     """
     decoder = json.JSONDecoder()
     found: dict[int, list[dict]] = {}
@@ -135,8 +138,10 @@ def reports(output: str, n: int) -> dict[int, dict]:
         values, end = decoder.raw_decode(output, start + len(REPORT_PREFIX))
         found.setdefault(values["rank"], []).append(values)
         start = output.find(REPORT_PREFIX, end)
-    assert sorted(found) == list(range(n)) and all(len(v) == 1 for v in found.values()), \
-        f"expected one report from each of ranks 0-{n - 1}, got {found}; output:\n{output}"
+    ranks_ok = sorted(found) == list(range(n)) if every else (found and set(found) <= set(range(n)))
+    assert ranks_ok and all(len(v) == 1 for v in found.values()), \
+        f"expected one report from {'each' if every else 'some'} of ranks 0-{n - 1}, got {found}; " \
+        f"output:\n{output}"
     return {rank: values[0] for rank, values in found.items()}
 
 
