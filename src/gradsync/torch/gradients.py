@@ -217,10 +217,16 @@ class GradientReducer:
         if self._model_checked:
             return
         self._model_checked = True
-        if self._coordinator().joins != self._joins:
+        if self.joined_since_start():
             return  # the others checked while this rank stood in from join(): it would check alone
         check_same_model(parameter_specs((n, p) for p, n in self.names.items()),
                          self.reduction.process_set, self.rank, self._model_tag)
+
+    def joined_since_start(self) -> bool:
+        """True if a ``join()`` completed on this rank since the optimizer was built: the other
+        ranks may have run their first-round checks while this rank stood in for them, and would
+        never submit them again, so this rank skips its own (both checks of parameter_check.py)."""
+        return self._coordinator().joins != self._joins
 
     def _coordinator(self):
         return runtime.get().coordinator_for(self.reduction.process_set, f"gradsync: rank {self.rank}")

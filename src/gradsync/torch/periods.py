@@ -64,7 +64,6 @@ class _DistributedOptimizer:
         self._gs_weak_hook = _weak_hook(weakref.ref(self))
         weakref.finalize(self, _remove_hooks, strategy.hooks)
         self._gs_backward = _BackwardSpan(self._gs_coordinator)
-        self._gs_joins = self._gs_coordinator.joins if self._gs_member else 0  # see step()
         self._gs_given_names = named_parameters
         for group in self.param_groups:
             self._gs_check_owners(group)
@@ -277,7 +276,7 @@ class _DistributedOptimizer:
             closure = self._gs_end_period_for_step(closure)
         if not self._gs_parameters_checked:
             self._gs_parameters_checked = True
-            if self._gs_coordinator.joins == self._gs_joins:
+            if not self._gs_strategy.joined_since_start():
                 self._gs_strategy.check_model()  # the same model first (an error), then its values
                 warn_if_parameters_differ(self._gs_names, self._gs_strategy.reduction.process_set,
                                           self._gs_rank)
