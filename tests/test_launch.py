@@ -20,6 +20,7 @@ from gradsync.launch import (
     detect_launcher,
     diagnose,
     launch_line,
+    waiting_note,
     launcher_mismatch,
     parse_library_version,
 )
@@ -196,6 +197,17 @@ def test_the_start_up_line_warns_about_one_rank_without_a_launcher_and_informs_o
     assert launch_line(1, 1, MPICH, detect_launcher(HYDRA_ENV))[0] == logging.INFO  # mpiexec -n 1
 
 
+def test_the_start_up_line_says_how_ranks_wait_and_who_chose_open_mpis_yield():
+    assert waiting_note(MPICH, "sleep", {}) == "negotiation waits sleep between tests"
+    assert waiting_note(MPICH, "mpi", {}) == "negotiation waits in the blocking MPI call"
+    yielding = waiting_note(OPEN_MPI, "sleep", {"OMPI_MCA_mpi_yield_when_idle": "1"}, set_by_gradsync=True)
+    assert yielding.endswith("Open MPI's blocking calls yield the core "
+                             "(OMPI_MCA_mpi_yield_when_idle=1, set by gradsync)"), yielding
+    spinning = waiting_note(OPEN_MPI, "mpi", {"OMPI_MCA_mpi_yield_when_idle": "0"})
+    assert spinning.endswith("Open MPI's blocking calls spin on a core the training may need "
+                             "(OMPI_MCA_mpi_yield_when_idle=0, as set in the environment)"), spinning
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter with this checkout's gradsync and no launcher variables."""
     environ = {k: v for k, v in __import__("os").environ.items()
@@ -272,14 +284,15 @@ def test_settings_that_differ_by_rank_stop_init_on_every_rank_with_each_ranks_va
     # Each rank that reports (the launcher may kill one once the other exits) has the error, naming
     # every rank's value.
     message = ("gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
-               "GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS and "
-               "GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) must be the same on "
+               "GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS, "
+               "GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) and GRADSYNC_WAIT_POLICY "
+               "(a nonblocking exchange matches no blocking one) must be the same on "
                "every rank; got rank 0: fusion_threshold=")
     errors = {r: v["error"] for r, v in reports(result.stdout, 2, every=False).items()}
     assert result.returncode != 0, result.stdout
     for rank, error in errors.items():
         assert error is not None and error.startswith(message), (rank, error)
-        assert "small_gradient_bytes=0, rank 1: " in error and "small_gradient_bytes=1024" in error, error
+        assert "small_gradient_bytes=0, wait_policy=sleep, rank 1: " in error and "small_gradient_bytes=1024" in error, error
 
 
 def test_a_launcher_that_fails_before_starting_any_process_is_launched_again(tmp_path):

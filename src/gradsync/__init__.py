@@ -20,6 +20,8 @@ import os as _os
 # initialises: in gradsync.init() (gradsync.launch.start_mpi), or at the user's own import of
 # mpi4py.MPI, which may come after `import gradsync`. So, here, first. (Importing gradsync imports no
 # mpi4py.MPI itself: that import initialises MPI, before init() could check the launch.)
+# Only where the user has not set it; init() logs what Open MPI waits with (launch.waiting_note).
+_YIELD_SET_BY_GRADSYNC = "OMPI_MCA_mpi_yield_when_idle" not in _os.environ
 _os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone

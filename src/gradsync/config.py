@@ -44,6 +44,8 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected 1/0/true/false, got {text!r}")
 
 
+WAIT_POLICIES = ("sleep", "mpi")  # gradsync.waiting: how a rank waits in a negotiation exchange
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "fusion_threshold", int, 1 << 20, "bytes",
@@ -78,6 +80,14 @@ SETTINGS: tuple[Setting, ...] = (
         "(GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS=0) or on one rank: a rank lost while a caller is inside a "
         "blocking MPI call would leave that thread blocked for good. Off: the coordinator thread runs "
         "every cycle.",
+    ),
+    Setting(
+        "wait_policy", str, "sleep", "name",
+        "How a rank waits in a negotiation exchange for ranks that have not reached it: 'sleep' (a "
+        "nonblocking MPI_Iallreduce, tested for 50 us, then tested between sleeps of 20 us doubling up "
+        "to 0.5 ms: the core is free for the training thread meanwhile) or 'mpi' (the blocking "
+        "MPI_Allreduce: the MPI's own wait, which polls). Data collectives always block. Must be the "
+        "same on every rank.",
     ),
     Setting(
         "shutdown_timeout", float, 30.0, "seconds",
@@ -184,6 +194,7 @@ class Config:
     small_gradient_bytes: int = 256 << 10
     cycle_time: float = 1.0
     caller_runs: bool = True
+    wait_policy: str = "sleep"
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0
@@ -231,6 +242,8 @@ class Config:
                 raise ValueError(f"{source}={raw!r} must be 'size' or 'contributors'")
             if setting.field == "rank_failure_timeout_seconds" and 0 < value < MIN_FAILURE_TIMEOUT:
                 raise ValueError(f"{source}={raw!r} must be 0 (off) or at least {MIN_FAILURE_TIMEOUT} s")
+            if setting.field == "wait_policy" and value not in WAIT_POLICIES:
+                raise ValueError(f"{source}={raw!r} must be one of {', '.join(WAIT_POLICIES)}")
             if setting.field == "gpu_operations" and value.strip().lower() not in ("", "nccl", "mpi"):
                 raise ValueError(f"{source}={raw!r} must be NCCL or MPI (or empty: NCCL when it loads)")
             if isinstance(value, (int, float)) and value < 0:
@@ -256,14 +269,16 @@ def check_shared(comm, config: Config) -> None:
         GradsyncError: they differ; the message lists each rank's values.
     """
     mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
-            config.rank_failure_timeout_seconds, config.small_gradient_bytes)
+            config.rank_failure_timeout_seconds, config.small_gradient_bytes, config.wait_policy)
     everyone = comm.allgather(mine)
     if any(values != mine for values in everyone):
         listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
-                           f"rank_failure_timeout_seconds={f:g}, small_gradient_bytes={b}"
-                           for r, (t, c, j, f, b) in enumerate(everyone))
+                           f"rank_failure_timeout_seconds={f:g}, small_gradient_bytes={b}, "
+                           f"wait_policy={w}"
+                           for r, (t, c, j, f, b, w) in enumerate(everyone))
         raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
-                            f"GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS and "
-                            f"GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) must be "
+                            f"GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS, "
+                            f"GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) and "
+                            f"GRADSYNC_WAIT_POLICY (a nonblocking exchange matches no blocking one) must be "
                             f"the same on every rank; got {listed}")
 

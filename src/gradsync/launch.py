@@ -330,6 +330,27 @@ def start_mpi(environ: Mapping[str, str] | None = None) -> ModuleType:
 
 # ---- the start-up line -----------------------------------------------------------------------------
 
+def waiting_note(library: MpiLibrary, wait_policy: str, environ: Mapping[str, str] | None = None,
+                 set_by_gradsync: bool = False) -> str:
+    """How this rank waits for the others, for the start-up line: the negotiation exchange's
+    ``wait_policy`` (:mod:`gradsync.waiting`) and, under Open MPI, whether its blocking calls yield
+    the core (``OMPI_MCA_mpi_yield_when_idle``, which gradsync sets to 1 at import unless the
+    environment already has it: ``set_by_gradsync``) or spin on it.
+    """
+    environ = os.environ if environ is None else environ
+    note = ("negotiation waits sleep between tests" if wait_policy == "sleep"
+            else "negotiation waits in the blocking MPI call")
+    if library.name == "Open MPI":
+        value = environ.get("OMPI_MCA_mpi_yield_when_idle", "")
+        whose = "set by gradsync" if set_by_gradsync else "as set in the environment"
+        if value.strip().lower() in ("1", "true", "yes", "on"):
+            note += f"; Open MPI's blocking calls yield the core (OMPI_MCA_mpi_yield_when_idle={value}, {whose})"
+        else:
+            note += (f"; Open MPI's blocking calls spin on a core the training may need "
+                     f"(OMPI_MCA_mpi_yield_when_idle={value or 'unset'}, {whose})")
+    return note
+
+
 def launch_line(size: int, hosts: int, library: MpiLibrary, launcher: Launcher) -> tuple[int, str]:
     """The log level and text of the line rank 0 logs at ``init()``: ranks, hosts, MPI, launcher.
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from . import fusion, joins
+from . import fusion, joins, waiting
 from .config import Config
 from .protocol import CycleReply, Kind, RankMessage, Request, Response
 from .response_cache import Lookup, ResponseCache, bits_from_list, bits_to_words, iter_bits, set_bits
@@ -290,6 +290,7 @@ class Negotiator:
         self.rank = comm.Get_rank()
         self.fusion_threshold = config.fusion_threshold
         self.cycle_time = config.cycle_time
+        self.wait_policy = config.wait_policy
         self._proposal: tuple[int, float] | None = None  # rank 0: settings to send next cycle
         self.table = None
         if self.rank == 0:
@@ -424,7 +425,7 @@ class Negotiator:
         flags = ((_UNCACHED_FLAG if has_uncached else 0) | (_SHUTDOWN_FLAG if shutdown else 0)
                  | (_STALL_FLAG if stall else 0))
         raw[2 * half:] = (~flags & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-        self.comm.Allreduce(MPI.IN_PLACE, vector, op=MPI.BAND)
+        waiting.allreduce(self.comm, vector, MPI.BAND, self.wait_policy)
         ready = int.from_bytes(raw[:half], "little")
         kept = raw[half:2 * half]
         invalid_any = 0 if kept == self._ones else self._all_ones ^ int.from_bytes(kept, "little")

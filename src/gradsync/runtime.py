@@ -247,7 +247,9 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
         _runtime.add_process_set(process_set)
     if _runtime.rank == 0:  # rank 0 has local rank 0: its cross communicator has one rank per host
         level, line = launch.launch_line(_runtime.size, _runtime.cross_size, library, launcher)
-        logging.getLogger("gradsync.launch").log(level, "%s", line)
+        waits = launch.waiting_note(library, config.wait_policy,
+                                    set_by_gradsync=getattr(sys.modules.get("gradsync"), "_YIELD_SET_BY_GRADSYNC", False))
+        logging.getLogger("gradsync.launch").log(level, "%s; %s", line, waits)
 
 
 class _RankFilter(logging.Filter):
