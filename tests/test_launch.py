@@ -20,9 +20,9 @@ from gradsync.launch import (
     detect_launcher,
     diagnose,
     launch_line,
-    waiting_note,
     launcher_mismatch,
     parse_library_version,
+    waiting_note,
 )
 from gradsync.libraries import loaded_library
 from mpi_launch import REPO, WORKERS, flavour, mpiexec, reports, run_job, run_mpi

@@ -13,18 +13,11 @@ adapter is imported when one of its names is first used.
 
 from __future__ import annotations
 
-import os as _os
-
-# Open MPI busy-polls in blocking calls unless told to yield; the coordinator waits in them while the
-# training thread needs the core (PERF-NOTES.md fact 1). It must be in the environment before MPI
-# initialises: in gradsync.init() (gradsync.launch.start_mpi), or at the user's own import of
-# mpi4py.MPI, which may come after `import gradsync`. So, here, first. (Importing gradsync imports no
-# mpi4py.MPI itself: that import initialises MPI, before init() could check the launch.)
-# Only where the user has not set it; init() logs what Open MPI waits with (launch.waiting_note).
-_YIELD_SET_BY_GRADSYNC = "OMPI_MCA_mpi_yield_when_idle" not in _os.environ
-_os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-
 from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
+
+# Before anything can initialise MPI (no module here imports mpi4py.MPI): Open MPI told to yield the
+# core in blocking calls unless the user chose otherwise (gradsync/mpi_environment.py).
+from . import mpi_environment as _mpi_environment  # noqa: F401  (its import sets the variable)
 from .compression import Compression, Compressor
 from .errors import (
     CollectiveError,

@@ -344,7 +344,8 @@ def waiting_note(library: MpiLibrary, wait_policy: str, environ: Mapping[str, st
         value = environ.get("OMPI_MCA_mpi_yield_when_idle", "")
         whose = "set by gradsync" if set_by_gradsync else "as set in the environment"
         if value.strip().lower() in ("1", "true", "yes", "on"):
-            note += f"; Open MPI's blocking calls yield the core (OMPI_MCA_mpi_yield_when_idle={value}, {whose})"
+            note += (f"; Open MPI's blocking calls yield the core "
+                     f"(OMPI_MCA_mpi_yield_when_idle={value}, {whose})")
         else:
             note += (f"; Open MPI's blocking calls spin on a core the training may need "
                      f"(OMPI_MCA_mpi_yield_when_idle={value or 'unset'}, {whose})")

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from . import launch
+from . import launch, mpi_environment
 from .config import Config
 from .errors import GradsyncError, NotInitializedError
 
@@ -248,7 +248,7 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
     if _runtime.rank == 0:  # rank 0 has local rank 0: its cross communicator has one rank per host
         level, line = launch.launch_line(_runtime.size, _runtime.cross_size, library, launcher)
         waits = launch.waiting_note(library, config.wait_policy,
-                                    set_by_gradsync=getattr(sys.modules.get("gradsync"), "_YIELD_SET_BY_GRADSYNC", False))
+                                    set_by_gradsync=mpi_environment.YIELD_SET_BY_GRADSYNC)
         logging.getLogger("gradsync.launch").log(level, "%s; %s", line, waits)
 
 
