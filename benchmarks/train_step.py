@@ -43,7 +43,13 @@ Models (--model), batch 32 per rank, SGD with momentum (or --optimizer adam), to
   transformer: a small encoder, Embedding(1000, 64) + 24 x TransformerEncoderLayer(64, 4 heads,
        feed-forward 256, no dropout) + mean over the 16 tokens + Linear(64, 10) (291 tensors,
        1.27 M parameters): many small gradients, where the fixed cost per tensor shows.
-Prints the median step time in milliseconds.
+  tensors: 145 x Linear(4, 4) + Linear(4, 10) (292 tensors, 2.5 K parameters): almost no compute,
+       so a step's CPU time is mostly what the training loop and gradsync spend per tensor.
+Prints the median step time in milliseconds, and rank 0's CPU milliseconds per step by thread
+(``process``; ``training``, the thread that runs the loop and backward's hooks; ``coordinator``,
+gradsync's background thread; ``other``, the rest: gloo's or MPI's own threads). On a machine
+whose cores are shared with other work, CPU time is the steadier figure: with 2 ranks on 2 cores a
+step's time follows the CPU each rank spends on it.
 """
 
 from __future__ import annotations
@@ -53,9 +59,12 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 MODEL_LAYERS, WIDTH, BATCH = 24, 768, 32
+# CPU milliseconds per step of rank 0, by thread (cpu_ms_per_step): columns of the --compare table.
+CPU_COLUMNS = ("process", "training", "coordinator", "other")
 VOCAB, TOKENS, D_MODEL = 1000, 16, 64  # the transformer's vocabulary, sequence length and width
 
 
@@ -72,6 +81,8 @@ def build_model(kind: str):
         return nn.Sequential(*layers), (3, 32, 32)
     if kind == "transformer":
         return _Transformer(), (TOKENS,)
+    if kind == "tensors":  # as many tensors as the transformer, almost no compute
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(145)], nn.Linear(4, 10)), (4,)
     layers = []
     for _ in range(MODEL_LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
@@ -178,7 +189,10 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         x, y = x.cuda(), y.cuda()
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
+    clocks = None
     for step in range(warmup + steps):
+        if step == warmup:
+            clocks = cpu_clocks()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=set_to_none)
         loss_fn(model(x), y).backward()
@@ -191,12 +205,41 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    cpu = cpu_ms_per_step(clocks, cpu_clocks(), steps)
     if rank == 0:
         print(f"median_step_ms={statistics.median(times) * 1e3:.2f}", flush=True)
+        print("cpu_ms_per_step " + " ".join(f"{k}={v:.2f}" for k, v in cpu.items()), flush=True)
         traffic = getattr(options.get("comm_hook") if mode == "gradsync" else None, "traffic", None)
         if traffic is not None:
             print(f"bytes_sent_per_step={traffic.sent} uncompressed={traffic.dense} "
                   f"ratio={traffic.dense / traffic.sent:.1f}", flush=True)
+
+
+def cpu_clocks() -> dict[str, float]:
+    """CPU seconds used so far: by the process, by this (the training) thread, and by each other
+    Python thread by name (gradsync's coordinator is "gradsync-coordinator"); threads that Python
+    does not know (gloo's, MPI's) count only in the process's figure."""
+    clocks = {"process": time.process_time(), "training": time.thread_time()}
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or thread.ident is None:
+            continue
+        try:
+            used = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+        clocks[thread.name] = clocks.get(thread.name, 0.0) + used
+    return clocks
+
+
+def cpu_ms_per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """CPU milliseconds per step per thread between two :func:`cpu_clocks`: ``process``,
+    ``training``, ``coordinator`` (gradsync's background thread, 0 without it), and ``other``
+    (the rest of the process: other Python threads and threads Python does not know)."""
+    used = {k: (after[k] - before.get(k, 0.0)) * 1e3 / steps for k in after}
+    result = {"process": used.pop("process"), "training": used.pop("training"),
+              "coordinator": used.pop("gradsync-coordinator", 0.0)}
+    result["other"] = result["process"] - result["training"] - result["coordinator"]
+    return result
 
 
 def source_trees(specs: list[str]) -> list[tuple[str, str | None, list[str]]]:
@@ -228,6 +271,7 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
                      ["--mode", "gradsync", "--fusion-threshold", str(t), *flags], True, tree_env)
                     for t in thresholds]
     results: dict[str, list[float]] = {name: [] for name, *_ in configs}
+    cpu: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in configs}
     for repeat in range(repeats):
         # Each repeat starts one configuration later: a configuration that always ran right after
         # another ran ~7 ms slower per transformer step here, whichever version it was (order bias).
@@ -237,22 +281,27 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
                    "--optimizer", optimizer_kind]
             if parallel is True:
                 cmd = [mpiexec, "-n", str(ranks), *cmd]
-            results[name].append(_launch(name, cmd, config_env, copies=parallel or 1))
+            step_ms, cpu_ms = _launch(name, cmd, config_env, copies=parallel or 1)
+            results[name].append(step_ms)
+            cpu[name].append(cpu_ms)
     single = statistics.median(results["single"])
     floor_ms = statistics.median(results[floor])
     ddp = statistics.median(results["ddp (gloo)"])
     print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, {optimizer_kind}, median of {repeats} "
           f"launches x {steps} steps; floor: {floor} (each one's median step, averaged)")
     width = max(28, *map(len, results))
-    print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s} {'vs floor':>8s}")
+    print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s} {'vs floor':>8s}"
+          + "".join(f" {k + ' CPU':>15s}" for k in CPU_COLUMNS))
     rows = []
     for name, values in results.items():
         median = statistics.median(values)
+        cpu_ms = {k: statistics.median(c[k] for c in cpu[name]) for k in CPU_COLUMNS}
         print(f"{name:{width}s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f} "
-              f"{floor_ms / median:8.2f}")
+              f"{floor_ms / median:8.2f}" + "".join(f" {cpu_ms[k]:15.2f}" for k in CPU_COLUMNS))
         rows.append({"model": model, "ranks": ranks, "configuration": name, "step_ms": round(median, 3),
                      "vs_ddp": round(median / ddp, 4), "efficiency": round(single / median, 4),
                      "vs_floor": round(floor_ms / median, 4),
+                     **{f"{k}_cpu_ms": round(v, 3) for k, v in cpu_ms.items()},
                      "launches": " ".join(f"{v:.2f}" for v in values)})
     if csv_path:
         import benchenv
@@ -261,26 +310,29 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
         print(f"# wrote {csv_path}")
 
 
-def _launch(name: str, cmd: list[str], env: dict, copies: int = 1) -> float:
+def _launch(name: str, cmd: list[str], env: dict, copies: int = 1) -> tuple[float, dict[str, float]]:
     """Run ``cmd`` (``copies`` processes at the same time, each on its own) and return the
-    median step time it printed, in ms; for several copies, the mean of their medians: the floor
-    a synchronous N-rank step can reach on a machine whose cores share memory bandwidth."""
+    median step time it printed, in ms, and its CPU ms per step per thread (rank 0's); for several
+    copies, the means of theirs: the floor a synchronous N-rank step can reach on a machine whose
+    cores share memory bandwidth."""
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(copies)]
-    medians = []
+    medians, cpus = [], []
     for proc in procs:
         out, err = proc.communicate(timeout=600)
         line = [x for x in out.splitlines() if x.startswith("median_step_ms=")]
         if not line:
             raise SystemExit(f"{name} failed:\n{out}\n{err}")
         medians.append(float(line[0].split("=")[1]))
-    return statistics.mean(medians)
+        cpu = [x for x in out.splitlines() if x.startswith("cpu_ms_per_step ")]
+        cpus.append(dict((k, float(v)) for k, v in (kv.split("=") for kv in cpu[0].split()[1:])))
+    return statistics.mean(medians), {k: statistics.mean(c[k] for c in cpus) for k in cpus[0]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["single", "gradsync", "ddp"], default="gradsync")
-    parser.add_argument("--model", choices=["mlp", "cnn", "transformer"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "cnn", "transformer", "tensors"], default="mlp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--fusion-threshold", type=int, default=None, help="bytes")

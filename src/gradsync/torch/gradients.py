@@ -21,6 +21,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,10 +48,10 @@ class Reduction:
     process_set: ProcessSet
 
 
-@dataclass(frozen=True)
-class HandedOver:
+class HandedOver(NamedTuple):
     """A gradient as it was when its collective started: a later in-place change shows as a larger
-    version, a replaced ``p.grad`` as another tensor."""
+    version, a replaced ``p.grad`` as another tensor. (A NamedTuple: one is made per gradient per
+    round, and a frozen dataclass's constructor costs several times more.)"""
 
     grad: torch.Tensor
     version: int
@@ -66,6 +67,7 @@ class _Round:
     ready: dict[int, int] = field(default_factory=dict)  # group or bucket -> members handed
     resparsify: dict[torch.Tensor, int] = field(default_factory=dict)  # densified -> sparse_dim
     bucket_waits: dict[int, Callable[[], None]] = field(default_factory=dict)  # run in bucket order
+    sparse_handed: bool = False  # a sparse gradient was handed over (else every handed one is dense)
 
 
 class GradientReducer:
@@ -103,7 +105,10 @@ class GradientReducer:
         self.hooks: list = []  # the hooks' removable handles
         self.rounds = 0  # rounds finished: every rank counts the same (a bucket's step)
         self._round = _Round()
-        self._averaged: dict[torch.Tensor, weakref.ref] = {}  # the gradients the last round wrote
+        # The gradients the last round wrote, (parameter, weak reference) in hand-over order; made
+        # a dict at the first question only: keying by parameters hashes each one in Python
+        # (Tensor.__hash__), which every round would pay for a question asked rarely.
+        self._averaged: list | dict[torch.Tensor, weakref.ref] = []
         # The first round first checks that every rank has the same parameters (parameter_check.py);
         # its collectives are named by the order optimizers are created, not by parameter names.
         member = reduction.process_set.process_set_id is not None and reduction.process_set.included()
@@ -154,6 +159,8 @@ class GradientReducer:
 
     def averaged_by_last_round(self, param: torch.Tensor) -> bool:
         """True if ``param.grad`` is the tensor the last finished round wrote (not dropped since)."""
+        if isinstance(self._averaged, list):
+            self._averaged = dict(self._averaged)
         ref = self._averaged.get(param)
         return ref is not None and ref() is param.grad
 
@@ -168,6 +175,7 @@ class GradientReducer:
             param.grad = grad = grad.to_dense()
         self._round.handed[param] = HandedOver(grad, grad._version)
         if grad.layout != torch.strided:
+            self._round.sparse_handed = True
             self._round.waits.append(self._sparse_allgather(param, f"grad.{self.names[param]}", grad))
         self._ready(param, grad)
 
@@ -196,7 +204,8 @@ class GradientReducer:
             return
         self.check_model()
         layouts = self._exchange_layouts()
-        missing = [p for p in self.names if not self.handed(p)]
+        handed = self._round.handed
+        missing = [p for p in self.names if p not in handed] if len(handed) < len(self.names) else []
         if missing:
             self._hand_over_missing(missing, dict(zip(self.names, ops.synchronize(layouts))))
         else:
@@ -209,7 +218,7 @@ class GradientReducer:
             finish()
         for param, sparse_dim in done.resparsify.items():  # sparse_as_dense, after every write
             param.grad = param.grad.to_sparse(sparse_dim)
-        self._averaged = {param: weakref.ref(param.grad) for param in done.handed}
+        self._averaged = [(param, weakref.ref(param.grad)) for param in done.handed]
 
     def check_model(self) -> None:
         """Once, before this optimizer's first collective: raise CollectiveError on every rank if
@@ -236,8 +245,11 @@ class GradientReducer:
         gradient handed over, if it was): 0 for none, DENSE, or DENSE + sparse_dim for a sparse
         gradient (joined ranks add nothing)."""
         handed = self._round.handed
-        local = np.array([_layout(handed[p].grad if p in handed else p.grad) for p in self.names],
-                         np.int8)
+        if len(handed) == len(self.names) and not self._round.sparse_handed:
+            local = np.full(len(handed), DENSE, np.int8)  # the usual round: no per-parameter Python
+        else:
+            local = np.array([_layout(h.grad if (h := handed.get(p)) is not None else p.grad)
+                              for p in self.names], np.int8)
         return ops.allreduce_async(local, name=f"gradsync.gradient_layouts.{self.first_name()}",
                                    op=ReduceOp.Max, process_set=self.reduction.process_set)
 
@@ -290,11 +302,11 @@ class GradientReducer:
         return wait
 
     def _check_unchanged(self, handed: dict[torch.Tensor, HandedOver]) -> None:
+        if all(p.grad is h.grad and h.grad._version == h.version for p, h in handed.items()):
+            return
         replaced = [self.names[p] for p, h in handed.items() if p.grad is not h.grad]
         changed = [self.names[p] for p, h in handed.items()
                    if p.grad is h.grad and h.grad._version != h.version]
-        if not (replaced or changed):
-            return
         what = (f"was changed in place ({', '.join(map(repr, changed[:3]))})" if changed else
                 f"was replaced by another tensor, p.grad = ... ({', '.join(map(repr, replaced[:3]))})")
         raise RuntimeError(

@@ -117,9 +117,11 @@ class _DistributedOptimizer:
             self._gs_backward.mark(param)
         if self._gs_in_backward:
             self._gs_queue_end_of_backward()
-        count = self._gs_counts[param] = self._gs_counts.get(param, 0) + 1
-        if count == self._gs_passes:
-            self._gs_strategy.hand_over(param)
+        if self._gs_passes > 1:  # one pass per step needs no count: a second one is refused above
+            count = self._gs_counts[param] = self._gs_counts.get(param, 0) + 1
+            if count < self._gs_passes:
+                return
+        self._gs_strategy.hand_over(param)
 
     def _gs_reopen(self, param: torch.Tensor) -> None:
         """A gradient arrived after the period's round finished. After zero_grad(), or when the

@@ -92,6 +92,7 @@ class Buckets(PerGradient):
         self.capacity = capacity
         self.buckets: dict[torch.Tensor, Layout] = {}  # parameter -> its bucket
         self.layouts: list[Layout] = []
+        self._members: dict[int, tuple[tuple[str, ...], tuple[torch.Size, ...]]] = {}  # names, shapes
         self._planned = False
 
     def attach(self, param: torch.Tensor, name: str, on_gradient: Callable[[torch.Tensor], None]) -> None:
@@ -109,6 +110,10 @@ class Buckets(PerGradient):
         layouts = cut_buckets(params, self.capacity, groups, len(self.layouts))
         self.layouts += layouts
         self.buckets.update((param, layout) for layout in layouts for param in layout.params)
+        # What each round's Bucket says of its members, worked out once (not per gradient per round).
+        self._members.update((layout.index, (tuple(self.names[p] for p in layout.params),
+                                             tuple(p.shape for p in layout.params)))
+                             for layout in layouts)
 
     def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
         layout = self.buckets.get(param)
@@ -122,30 +127,32 @@ class Buckets(PerGradient):
         """Fill the bucket's buffer, then call the hook; its wait runs at the round's end."""
         buffer = layout.allocate()
         dense = self._fill(layout)
-        bucket = Bucket(layout.index, f"grad.bucket.{self.first_name()}.{layout.index}",
-                        tuple(self.names[p] for p in layout.params), alias(buffer), layout.offsets,
-                        tuple(p.shape for p in layout.params), self.reduction.op,
+        names, shapes = self._members[layout.index]
+        bucket = Bucket(layout.index, f"grad.bucket.{self.first_name()}.{layout.index}", names,
+                        alias(buffer), layout.offsets, shapes, self.reduction.op,
                         self.reduction.process_set, self.rounds)
         future = self.hook(bucket)
         self._round.bucket_waits[layout.index] = functools.partial(
             self._wait_bucket, _InFlight(layout, bucket, dense, future), self._round.finishes)
 
-    def _fill(self, layout: Layout) -> list[torch.Tensor]:
-        """Copy the members' dense gradients into their slots (zeros for the others); returns the
-        members with a dense gradient."""
+    def _fill(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copy the members' dense gradients into their slots (zeros for the others); returns
+        (member, its slot) for the members with a dense gradient, in the bucket's order."""
         dense = []
         for param, view in zip(layout.params, layout.views):
             grad = param.grad
             if grad is None or grad.layout != torch.strided:  # none on any rank, or allgathered
                 view.zero_()
-                continue
-            if not is_view(grad, view):
-                self._copy_in(param, grad, view)
-            dense.append(param)
+            else:
+                dense.append((param, view))
+        if dense:
+            self._copy_in(dense)
         return dense
 
-    def _copy_in(self, param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> None:
-        view.copy_(grad)
+    def _copy_in(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (member, slot)'s gradient into the slot: one foreach copy, not one op each (a
+        gradient already on the slot's memory is copied onto itself, which changes nothing)."""
+        torch._foreach_copy_([view for _, view in dense], [param.grad for param, _ in dense])
 
     def _wait_bucket(self, flight: _InFlight, finishes: list[Callable[[], None]]) -> None:
         result = flight.future.wait()
@@ -160,15 +167,16 @@ class Buckets(PerGradient):
                 f"expected a 1-D {layout.buffer.dtype} tensor of {layout.numel} elements")
         finishes.append(functools.partial(self._write_bucket, layout, flight.dense, result))
 
-    def _write_bucket(self, layout: Layout, dense: list[torch.Tensor], result: torch.Tensor) -> None:
+    def _write_bucket(self, layout: Layout, dense: list[tuple[torch.Tensor, torch.Tensor]],
+                      result: torch.Tensor) -> None:
         if result.data_ptr() != layout.buffer.data_ptr():
             layout.buffer.copy_(result)
-        self._copy_out(layout, dense)
+        self._copy_out(dense)
 
-    def _copy_out(self, layout: Layout, dense: list[torch.Tensor]) -> None:
-        views = dict(zip(layout.params, layout.views))
-        for param in dense:
-            param.grad.copy_(views[param])
+    def _copy_out(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (member, slot)'s result back into its gradient, in one foreach copy."""
+        if dense:
+            torch._foreach_copy_([param.grad for param, _ in dense], [view for _, view in dense])
 
 
 class BucketViews(Buckets):
@@ -178,16 +186,21 @@ class BucketViews(Buckets):
     ``zero_grad(set_to_none=True)``, or a replaced ``p.grad``) is copied in once and ``p.grad``
     re-pointed at the view; the in-flight check then watches the views."""
 
-    def _fill(self, layout: Layout) -> list[torch.Tensor]:
+    def _fill(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
         dense = super()._fill(layout)  # every member's accumulation into the buffer is done
-        self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p in dense)
+        self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p, _ in dense)
         return dense
 
-    def _copy_in(self, param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> None:
-        view.copy_(grad)
-        param.grad = view
+    def _copy_in(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy in the gradients that are not their slot's view (none when autograd accumulated
+        into the views), and re-point their ``p.grad`` at the view."""
+        copies = [(param, view) for param, view in dense if not is_view(param.grad, view)]
+        if copies:
+            super()._copy_in(copies)
+        for param, view in copies:
+            param.grad = view
 
-    def _copy_out(self, layout: Layout, dense: list[torch.Tensor]) -> None:
+    def _copy_out(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Nothing: the gradients are the buffer's views."""
 
 
@@ -267,8 +280,8 @@ class _AdasumUpdate:
 
 @dataclass(frozen=True)
 class _InFlight:
-    """A bucket whose hook is running: its layout, what the hook got, the members with a dense
-    gradient, and the hook's future."""
+    """A bucket whose hook is running: its layout, what the hook got, (member, slot) for the
+    members with a dense gradient, and the hook's future."""
 
     layout: Layout
     bucket: Bucket
