@@ -124,6 +124,19 @@ def test_the_custom_call_runs_once_per_execution_and_its_outputs_alias_its_input
     assert len(calls) == 3
     hlo = step.lower(jnp.ones(4)).as_text()
     assert xla_ffi.TARGET in hlo and "output_operand_aliases" in hlo
+    # Pure: a side effect would take every call off jax's C++ dispatch path (docs/jax.md).
+    assert "has_side_effect" not in hlo
+
+
+def test_extra_outputs_of_the_custom_call_come_after_the_aliased_ones():
+    def body(outputs):
+        outputs[0] += 1
+        outputs[1][...] = 0.25
+
+    step = jax.jit(lambda x: xla_ffi.call(body, [x * 2], [jax.ShapeDtypeStruct((), jnp.float32)]))
+    out, extra = step(jnp.arange(3, dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out), [1, 3, 5])
+    assert extra.shape == () and extra.dtype == jnp.float32 and float(extra) == 0.25
 
 
 def test_an_error_in_the_body_is_raised_from_the_jitted_call_with_its_message():

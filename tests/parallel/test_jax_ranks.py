@@ -126,6 +126,28 @@ def test_inside_jit_the_in_place_custom_call_gives_the_same_bits_as_outside(op):
         close(inside[key], reference(every_rank(*spec), op))
 
 
+def test_inside_jit_an_average_by_three_ranks_gives_the_same_bits_as_outside():
+    """Inside jit the program divides a float32 Average (the core sums, the call returns
+    1/divisor): 1/3 is where a rounding other than the core's would show."""
+    if size() < 3:
+        pytest.skip("needs three ranks for a divisor of 3")
+    trio = gradsync.add_process_set([0, 1, 2])
+    try:
+        if gradsync.rank() < 3:
+            shapes = {"w": (300, 7), "b": (7,)}
+            tree = {k: jnp.asarray(rank_data(gradsync.rank(), s, np.float32, i))
+                    for i, (k, s) in enumerate(shapes.items())}
+            reduce = lambda t, where: gj.allreduce(t, name=f"third.{where}",  # noqa: E731
+                                                   process_set=trio)
+            inside = jax.jit(lambda t: reduce(jax.tree_util.tree_map(lambda a: a * 1, t), "jit"))(tree)
+            outside = reduce(tree, "eager")
+            for i, (key, shape) in enumerate(shapes.items()):
+                np.testing.assert_array_equal(np.asarray(inside[key]), np.asarray(outside[key]))
+                close(inside[key], reference(every_rank(shape, np.float32, i)[:3], "Average"))
+    finally:
+        gradsync.remove_process_set(trio)
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_allreduce_with_scale_factors(where):
     mine = jnp.asarray(rank_data(gradsync.rank(), (6,), np.float32))

@@ -124,14 +124,52 @@ class _Allreduce:
         (:mod:`.xla_ffi`): no copy on the host but the core's fusion (a grouped allreduce packs
         each dtype's leaves into its fusion buffer and unpacks the results into XLA's buffers).
         Packing the leaves inside the program instead (``jnp.concatenate``, then slices) cost
-        XLA 4-5 ms more per step on a 7.4 MB pytree than the core's two copies."""
+        XLA 4-5 ms more per step on a 7.4 MB pytree than the core's two copies.
+
+        The Average divisor of the leaves of :meth:`_divides_in_xla` is applied by the program:
+        the core sums them, the call also returns ``1 / divisor`` of each (the divisor the core
+        decided, :attr:`gradsync.Handle.divisor`), and the multiply fuses into whatever reads the
+        result (the optimizer's update) instead of being a pass of its own over the memory. It is
+        the core's own rounding (a float32 result times the float32 nearest ``1 / divisor``)."""
+        folded = [i for i, a in enumerate(arrays) if self._divides_in_xla(a)]
+
         def body(outputs: list[np.ndarray]) -> None:
             base = _jit_name(self, name)
             with ops.blocking(self.process_set):  # the cycle runs in this thread (caller runs)
-                for handle in self.submit(outputs, _leaf_names(base, leaves.paths), base, True):
+                handles = self._submit_in_place(outputs[:len(arrays)],
+                                                _leaf_names(base, leaves.paths), base, folded)
+                for handle in handles:
                     handle.wait()
+            for scale, i in zip(outputs[len(arrays):], folded):
+                scale[...] = 1.0 / handles[i].divisor
 
-        return xla_ffi.call(body, arrays)
+        scales = [jax.ShapeDtypeStruct((), arrays[i].dtype) for i in folded]
+        out = xla_ffi.call(body, arrays, scales)
+        results = out[:len(arrays)]
+        for scale, i in zip(out[len(arrays):], folded):
+            results[i] = results[i] * scale
+        return results
+
+    def _divides_in_xla(self, array: Any) -> bool:
+        """Whether the program, not the core, divides this leaf's Average: a float32 or float64
+        leaf (rounded once either way; 16-bit ones are averaged in float32 by the core) with no
+        postscale, over more than one rank. The same on every rank (op, dtype and set are)."""
+        return (self.op == ReduceOp.Average and self.postscale_factor == 1.0
+                and np.dtype(array.dtype).name in ("float32", "float64")
+                and self.process_set.size() > 1)
+
+    def _submit_in_place(self, outputs: list[np.ndarray], names: list[str | None], name: str,
+                         folded: list[int]) -> list[Handle]:
+        """Submit every leaf in place, those in ``folded`` as a Sum; the handles in leaf order."""
+        handles: list[Any] = [None] * len(outputs)
+        kept = [i for i in range(len(outputs)) if i not in folded]
+        for spec, members in ((dataclasses.replace(self, op=ReduceOp.Sum), folded), (self, kept)):
+            if members:
+                started = spec.submit([outputs[i] for i in members], [names[i] for i in members],
+                                      name, True)
+                for i, handle in zip(members, started):
+                    handles[i] = handle
+        return handles
 
     def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape

@@ -12,8 +12,13 @@ The handler (:func:`_handler`) is an ``XLA_FFI_Handler`` (xla/ffi/api/c_api.h, s
 it answers XLA's metadata query (the FFI API version), ignores the instantiate, prepare and
 initialize stages, and at execution looks up the Python function that :func:`call` registered
 under the call's ``key`` attribute and gives it writable numpy views of the output buffers. An
-exception becomes an ``XLA_FFI_Error`` whose message XLA raises from the jitted call. The call is
-marked side-effecting, so XLA neither removes nor duplicates it.
+exception becomes an ``XLA_FFI_Error`` whose message XLA raises from the jitted call.
+
+The call is not declared side-effecting: a side effect costs every call of the jitted function
+jax's Python dispatch instead of its C++ fast path (~150 us a step with 14 arguments here,
+docs/jax.md#performance). Declared pure, a call whose results are unused is dropped, and XLA may
+order independent calls as its scheduler likes; both are decided by the compiler from the program
+alone, so every rank that runs the same program drops and orders its calls the same way.
 """
 
 from __future__ import annotations
@@ -171,26 +176,29 @@ def _register() -> None:
         _registered.append(function)
 
 
-def call(body: Body, operands: Sequence[jax.Array]) -> list[jax.Array]:
+def call(body: Body, operands: Sequence[jax.Array],
+         extra: Sequence[jax.ShapeDtypeStruct] = ()) -> list[jax.Array]:
     """Run ``body`` on the values of ``operands`` in place, from inside a traced function.
 
     Args:
         body: called once per execution of the compiled call, on an XLA thread, with writable
-            numpy views of the outputs (one per operand, same shape and dtype), which hold the
-            operands' values; it writes its results into them.
+            numpy views of the outputs: first one per operand (same shape and dtype), which hold
+            the operands' values, then one per ``extra`` (uninitialised); it writes its results
+            into them.
         operands: traced (or concrete) CPU arrays; each gets its own output buffer, aliased to it.
+        extra: shapes and dtypes of further outputs, not aliased to any operand.
 
     Returns:
-        The outputs, as traced arrays of the operands' shapes and dtypes.
+        The outputs, as traced arrays: the operands' shapes and dtypes, then ``extra``'s.
 
     Raises:
         (at run time, from the jitted call) jax's runtime error carrying the type and message of
         what ``body`` raised.
     """
     _register()
-    outputs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands)
+    outputs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands) + tuple(extra)
     key = next(_keys)
     _bodies[key] = (body, outputs)
-    run = jax.ffi.ffi_call(TARGET, outputs, has_side_effect=True,
+    run = jax.ffi.ffi_call(TARGET, outputs, has_side_effect=False,
                            input_output_aliases={i: i for i in range(len(operands))})
     return list(run(*operands, key=np.int64(key)))
