@@ -63,11 +63,37 @@ def test_command_line_errors_exit_with_status_2(argv):
 
 def test_launcher_command_per_mpi():
     placed = {"a": 2, "b": 1}
-    assert launcher.command("mpiexec", "mpich", placed, ["python", "t.py"]) == [
+    assert launcher.mpiexec_launch("mpiexec", "mpich", placed, ["python", "t.py"]).argv == [
         "mpiexec", "-n", "3", "-hosts", "a:2,b:1", "python", "t.py"]
-    assert launcher.command("mpirun", "openmpi", placed, ["python", "t.py"]) == [
+    assert launcher.mpiexec_launch("mpirun", "openmpi", placed, ["python", "t.py"]).argv == [
         "mpirun", "-n", "3", "--host", "a:2,b:1", "-x", store.STATE_DIR_ENV, "-x", store.RESTART_ENV,
         "python", "t.py"]
+
+
+def test_an_srun_step_places_each_task_on_its_node(tmp_path):
+    launch = launcher.srun_launch("openmpi", {"a": 2, "b": 1}, ["python", "t.py"], tmp_path, "s1")
+    assert launch.argv == ["srun", "--mpi=pmix", "--ntasks=3", "--nodes=2", "--kill-on-bad-exit=1",
+                           "--job-name=s1", "--distribution=arbitrary", "python", "t.py"]
+    assert launch.step_name == "s1" and launch.env == {"SLURM_HOSTFILE": str(tmp_path / "srun_hosts")}
+    assert (tmp_path / "srun_hosts").read_text() == "a\na\nb\n"  # one line per rank, in rank order
+    even = launcher.srun_launch("mpich", {"a": 2, "b": 2}, ["p"], tmp_path, "s2")
+    assert even.argv == ["srun", "--mpi=pmi2", "--ntasks=4", "--nodes=2", "--kill-on-bad-exit=1",
+                         "--job-name=s2", "--nodelist=a,b", "--ntasks-per-node=2", "p"]
+    assert even.env == {}
+
+
+def test_auto_uses_srun_only_inside_an_allocation(monkeypatch):
+    monkeypatch.setattr(launcher, "srun_plugins", lambda: frozenset({"pmi2", "none"}))
+    monkeypatch.setattr(launcher.shutil, "which", lambda name, **kw: f"/usr/bin/{name}")
+    inside = {"SLURM_JOB_ID": "7"}
+    assert launcher.choose("auto", "mpich", inside) == "srun"
+    assert launcher.choose("auto", "mpich", {}) == "mpiexec"
+    assert launcher.choose("auto", "openmpi", inside) == "mpiexec"  # this srun has no pmix
+    assert launcher.choose("mpiexec", "mpich", inside) == "mpiexec"
+    with pytest.raises(launcher.LauncherError, match="does not offer pmix"):
+        launcher.choose("srun", "openmpi", inside)
+    with pytest.raises(launcher.LauncherError, match="not inside a SLURM allocation"):
+        launcher.choose("srun", "mpich", {})
 
 
 def test_size_of_a_launch(tmp_path):

@@ -64,9 +64,12 @@ class Driver:
         self.state_dir = state_dir
         self.blacklist = hostlib.Blacklist(args.blacklist_after)
         self.mpiexec = launcher.find_mpiexec(args.mpiexec)
+        self.kind = launcher.flavour(self.mpiexec) if args.mpi == "auto" else args.mpi
+        self.launcher = launcher.choose(args.launcher, self.kind)
         self.launches = 0
         self.failures = 0
         self.job: subprocess.Popen | None = None
+        self.step_name: str | None = None
 
     def known_hosts(self) -> dict[str, int]:
         """Hosts -> slots now: the discovery script's output, or the static -H/--hostfile list."""
@@ -101,11 +104,16 @@ class Driver:
     def launch(self, placed: dict[str, int]) -> subprocess.Popen:
         """Start the workers on ``placed`` in a new process group."""
         store.clear_launch_files(self.state_dir)
-        env = dict(os.environ, **{store.STATE_DIR_ENV: str(self.state_dir),
-                                  store.RESTART_ENV: str(self.launches)})
-        cmd = launcher.command(self.mpiexec, self.args.mpi, placed, self.args.command)
+        if self.launcher == "srun":
+            step = f"gradsync-elastic-{os.getpid()}-{self.launches}"
+            how = launcher.srun_launch(self.kind, placed, self.args.command, self.state_dir, step)
+        else:
+            how = launcher.mpiexec_launch(self.mpiexec, self.kind, placed, self.args.command)
+        env = dict(os.environ, **how.env, **{store.STATE_DIR_ENV: str(self.state_dir),
+                                             store.RESTART_ENV: str(self.launches)})
         self.launches += 1
-        self.job = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.step_name = how.step_name
+        self.job = subprocess.Popen(how.argv, env=env, start_new_session=True)
         return self.job
 
     def watch(self, job: subprocess.Popen, placed: dict[str, int]) -> Outcome:
@@ -126,7 +134,7 @@ class Driver:
                 continue
             removed = {h for h, n in placed.items() if usable.get(h, 0) < n}
             if removed:
-                _end(job)
+                _end(job, self.step_name)
                 return Outcome(job.wait(), f"hosts removed: {sorted(removed)}", failed=False)
             grown = min(sum(usable.values()), self.args.max_np) > sum(placed.values())
             if grown and not signalled:
@@ -182,8 +190,9 @@ def _hosts_named(records: list[str], placed: dict[str, int]) -> set[str]:
     return {host for host in placed if host in named or (host in local and named & local)}
 
 
-def _end(job: subprocess.Popen) -> None:
-    """SIGTERM the job's process group; SIGKILL it if it is still there after KILL_GRACE s."""
+def _end(job: subprocess.Popen, step_name: str | None) -> None:
+    """SIGTERM the job's process group; SIGKILL it if it is still there after KILL_GRACE s. An srun
+    step (``step_name``) is then cancelled too, in case its srun died before ending it."""
     try:
         os.killpg(job.pid, signal.SIGTERM)
         job.wait(timeout=KILL_GRACE)
@@ -191,6 +200,8 @@ def _end(job: subprocess.Popen) -> None:
         os.killpg(job.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if step_name is not None:
+        launcher.cancel_step(step_name)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -212,6 +223,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if driver is not None and driver.job is not None and driver.job.poll() is None:
-            _end(driver.job)
+            _end(driver.job, driver.step_name)
         if args.state_dir is None:
             shutil.rmtree(state_dir, ignore_errors=True)
