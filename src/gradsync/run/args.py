@@ -12,8 +12,8 @@ from .hosts import HostsError, parse_hosts
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``gradsyncrun`` / ``python -m gradsync.run``."""
     p = argparse.ArgumentParser(
-        prog="gradsyncrun", description="Run a gradsync job elastically: relaunch it through mpiexec or srun on "
-        "the hosts available when a worker fails or hosts change; the workers resume from the last "
+        prog="gradsyncrun", description="Run a gradsync job elastically: relaunch it through mpiexec or "
+        "srun on the hosts available when a worker fails or hosts change; the workers resume from the last "
         "commit (docs/elastic.md).")
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="ranks of the first launch "
                    "(default: all usable slots up to --max-np)")
