@@ -125,3 +125,26 @@ def test_failure_records_name_the_failed_hosts(tmp_path):
     assert _hosts_named(["rank 3 on b: ValueError: x"], {"a": 2, "b": 2}) == {"b"}
     store.clear_launch_files(tmp_path)
     assert store.read_failures(tmp_path) == []
+
+
+def test_recovery_phases_are_the_gaps_between_the_recorded_events(tmp_path):
+    events = [("ended", 0, 100.0), ("launched", 1, 100.5), ("process_start", 1, 101.0),
+              ("init_start", 1, 104.0), ("init_end", 1, 105.5), ("resume_start", 1, 106.0),
+              ("resume_end", 1, 106.25), ("first_commit", 1, 107.0), ("first_commit", 0, 50.0)]
+    for event, launch, when in events:
+        store.record_time(tmp_path, event, launch, when)
+    assert store.recovery_phases(tmp_path, 1) == {
+        "relaunch": 0.5, "launcher": 0.5, "imports": 3.0, "init": 1.5, "setup": 0.5, "restore": 0.25,
+        "first_step": 0.75, "total": 7.0}
+    assert store.recovery_phases(tmp_path, 2) == {}
+
+
+def test_the_process_start_time_is_the_start_of_the_interpreter():
+    import subprocess
+    import sys
+
+    code = ("import time; t = time.time()\nfrom gradsync.run import store\n"
+            "print(t - store.process_start_time())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert 0 <= float(done.stdout) < 60, done.stdout  # the interpreter's own start-up, 10 ms steps

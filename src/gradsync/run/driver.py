@@ -111,6 +111,7 @@ class Driver:
             how = launcher.mpiexec_launch(self.mpiexec, self.kind, placed, self.args.command)
         env = dict(os.environ, **how.env, **{store.STATE_DIR_ENV: str(self.state_dir),
                                              store.RESTART_ENV: str(self.launches)})
+        store.record_time(self.state_dir, "launched", self.launches)
         self.launches += 1
         self.step_name = how.step_name
         self.job = subprocess.Popen(how.argv, env=env, start_new_session=True)
@@ -122,6 +123,7 @@ class Driver:
         while True:
             try:
                 status = job.wait(timeout=self.args.poll_interval)
+                store.record_time(self.state_dir, "ended", self.launches - 1)
                 return self.outcome(status, placed)
             except subprocess.TimeoutExpired:
                 pass
@@ -135,7 +137,9 @@ class Driver:
             removed = {h for h, n in placed.items() if usable.get(h, 0) < n}
             if removed:
                 _end(job, self.step_name)
-                return Outcome(job.wait(), f"hosts removed: {sorted(removed)}", failed=False)
+                status = job.wait()
+                store.record_time(self.state_dir, "ended", self.launches - 1)
+                return Outcome(status, f"hosts removed: {sorted(removed)}", failed=False)
             grown = min(sum(usable.values()), self.args.max_np) > sum(placed.values())
             if grown and not signalled:
                 log(f"hosts added ({_describe(usable)}): the workers stop at their next commit")
@@ -163,10 +167,19 @@ class Driver:
                     f"ranks on {_describe(placed)}")
             outcome = self.watch(self.launch(placed), placed)
             if outcome.status == 0:
+                self.log_recoveries()
                 log(f"the job finished after {self.launches} launch(es)")
                 return 0
             if outcome.failed:
                 self.count_failure(outcome, placed)
+
+    def log_recoveries(self) -> None:
+        """One log line per relaunch: the seconds of each phase from the end of the previous launch
+        to the first commit (:func:`gradsync.run.store.recovery_phases`)."""
+        for launch in range(1, self.launches):
+            phases = store.recovery_phases(self.state_dir, launch)
+            if phases:
+                log(f"launch {launch} timing: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
 
     def count_failure(self, outcome: Outcome, placed: dict[str, int]) -> None:
         """Count a failed launch; ``DriverError`` naming it once --max-restarts is spent."""
