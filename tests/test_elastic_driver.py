@@ -128,14 +128,16 @@ def test_failure_records_name_the_failed_hosts(tmp_path):
 
 
 def test_recovery_phases_are_the_gaps_between_the_recorded_events(tmp_path):
-    events = [("ended", 0, 100.0), ("launched", 1, 100.5), ("process_start", 1, 101.0),
-              ("init_start", 1, 104.0), ("init_end", 1, 105.5), ("resume_start", 1, 106.0),
-              ("resume_end", 1, 106.25), ("first_commit", 1, 107.0), ("first_commit", 0, 50.0)]
-    for event, launch, when in events:
-        store.record_time(tmp_path, event, launch, when)
+    events = [("ended", 0, 100.0, None), ("launched", 1, 100.5, None), ("process_start", 1, 101.0, 0.0),
+              ("init_start", 1, 104.0, 2.0), ("init_end", 1, 105.5, 2.5), ("resume_start", 1, 106.0, 3.0),
+              ("resume_end", 1, 106.25, 3.25), ("first_commit", 1, 107.0, 3.5), ("first_commit", 0, 50.0, 9.0)]
+    for event, launch, when, cpu in events:
+        store.record_time(tmp_path, event, launch, when, cpu)
     assert store.recovery_phases(tmp_path, 1) == {
         "relaunch": 0.5, "launcher": 0.5, "imports": 3.0, "init": 1.5, "setup": 0.5, "restore": 0.25,
         "first_step": 0.75, "total": 7.0}
+    assert store.recovery_phases(tmp_path, 1, clock="cpu") == {
+        "imports": 2.0, "init": 0.5, "setup": 0.5, "restore": 0.25, "first_step": 0.25, "total": 3.5}
     assert store.recovery_phases(tmp_path, 2) == {}
 
 

@@ -83,7 +83,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         _record_start(directory)
         try:
             state.resume(directory)
-            _record_time(directory, "resume_end", time.time())
+            _record_time(directory, "resume_end")
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt:
             if directory is None:
@@ -101,18 +101,24 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 _first_commit_recorded = False
 
 
-def _record_time(directory: Path | None, event: str, when: float | None = None) -> None:
-    """Under the driver, rank 0 notes when this launch passed ``event`` (:func:`store.record_time`)."""
-    if directory is not None and rank() == 0 and when is not None:
-        store.record_time(directory, event, store.restart_count(), when)
+def _record_time(directory: Path | None, event: str, when: float | None = None,
+                 cpu: float | None = None) -> None:
+    """Under the driver, rank 0 notes when this launch passed ``event`` (:func:`store.record_time`):
+    now, or ``when`` with ``cpu``, this process's CPU seconds then."""
+    if directory is not None and rank() == 0:
+        if when is None:
+            when, cpu = time.time(), time.process_time()
+        store.record_time(directory, event, store.restart_count(), when, cpu)
 
 
 def _record_start(directory: Path | None) -> None:
     """Note the start of this process, of ``gradsync.init()`` and its end, and of the resume."""
-    init_start, init_end = getattr(runtime.get(), "init_times", (None, None))
-    for event, when in (("process_start", store.process_start_time()), ("init_start", init_start),
-                        ("init_end", init_end), ("resume_start", time.time())):
-        _record_time(directory, event, when)
+    started = store.process_start_time()
+    if started is not None:
+        _record_time(directory, "process_start", started, 0.0)
+    for event, (when, cpu) in zip(("init_start", "init_end"), getattr(runtime.get(), "init_times", ())):
+        _record_time(directory, event, when, cpu)
+    _record_time(directory, "resume_start")
 
 
 def _abort_job() -> None:
@@ -180,7 +186,7 @@ class State:
         global _first_commit_recorded
         if not _first_commit_recorded:
             _first_commit_recorded = True
-            _record_time(directory, "first_commit", time.time())
+            _record_time(directory, "first_commit")
 
     def check_host_updates(self) -> None:
         """Under the driver, rank 0 looks for its host-update flag and broadcasts what it found, so

@@ -175,11 +175,15 @@ class Driver:
 
     def log_recoveries(self) -> None:
         """One log line per relaunch: the seconds of each phase from the end of the previous launch
-        to the first commit (:func:`gradsync.run.store.recovery_phases`)."""
+        to the first commit, with rank 0's CPU seconds in its phases
+        (:func:`gradsync.run.store.recovery_phases`)."""
         for launch in range(1, self.launches):
             phases = store.recovery_phases(self.state_dir, launch)
-            if phases:
-                log(f"launch {launch} timing: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+            cpu = store.recovery_phases(self.state_dir, launch, clock="cpu")
+            parts = [f"{name} {seconds:.2f} s" + (f" (cpu {cpu[name]:.2f} s)" if name in cpu else "")
+                     for name, seconds in phases.items()]
+            if parts:
+                log(f"launch {launch} timing: " + ", ".join(parts))
 
     def count_failure(self, outcome: Outcome, placed: dict[str, int]) -> None:
         """Count a failed launch; ``DriverError`` naming it once --max-restarts is spent."""

@@ -89,10 +89,13 @@ def clear_launch_files(directory: Path) -> None:
     (directory / HOSTS_UPDATED).unlink(missing_ok=True)
 
 
-def record_time(directory: Path, event: str, launch: int, when: float | None = None) -> None:
-    """Append ``{"event", "launch", "time"}`` to ``timing.jsonl`` (``when``, default now: wall-clock
-    seconds since the epoch, comparable across the processes of one host)."""
-    line = json.dumps({"event": event, "launch": launch, "time": time.time() if when is None else when})
+def record_time(directory: Path, event: str, launch: int, when: float | None = None,
+                cpu: float | None = None) -> None:
+    """Append ``{"event", "launch", "time", "cpu"}`` to ``timing.jsonl``: ``when`` (default now) in
+    wall-clock seconds since the epoch, comparable across the processes of one host; ``cpu`` the
+    recording process's CPU seconds (``time.process_time()``) at that moment, when known."""
+    record = {"event": event, "launch": launch, "time": time.time() if when is None else when}
+    line = json.dumps(record if cpu is None else dict(record, cpu=cpu))
     with open(directory / TIMING, "a") as out:
         out.write(line + "\n")
 
@@ -116,7 +119,7 @@ PHASES = (("relaunch", "ended", "launched"), ("launcher", "launched", "process_s
           ("first_step", "resume_end", "first_commit"))
 
 
-def recovery_phases(directory: Path, launch: int) -> dict[str, float]:
+def recovery_phases(directory: Path, launch: int, clock: str = "time") -> dict[str, float]:
     """Seconds of each phase of ``PHASES`` from the end of launch ``launch - 1`` to the first commit
     of ``launch``, read from ``timing.jsonl``; a phase whose events are missing is left out.
 
@@ -124,16 +127,21 @@ def recovery_phases(directory: Path, launch: int) -> dict[str, float]:
     the processes; ``imports``: the interpreter and the script up to ``gradsync.init()``; ``init``:
     ``MPI_Init`` and ``gradsync.init()``; ``setup``: the script from there to ``run`` (model,
     optimizer); ``restore``: loading and syncing the commit; ``first_step``: to the end of the
-    first ``commit()``. ``total`` is the end of the old launch to that first commit.
+    first ``commit()``. ``total`` is the end of the old launch to that first commit. With
+    ``clock="cpu"``, rank 0's CPU seconds in each of its phases (``imports`` on: a process starts
+    at 0), and ``total`` their sum.
     """
     path = directory / TIMING
     events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    when = {e["event"]: e["time"] for e in events if e["launch"] == launch and e["event"] != "ended"}
-    ended = [e["time"] for e in events if e["launch"] == launch - 1 and e["event"] == "ended"]
+    when = {e["event"]: e[clock] for e in events
+            if e["launch"] == launch and e["event"] != "ended" and clock in e}
+    ended = [e[clock] for e in events if e["launch"] == launch - 1 and e["event"] == "ended" and clock in e]
     if ended:
         when["ended"] = ended[-1]
     phases = {name: when[end] - when[start] for name, start, end in PHASES
               if start in when and end in when}
-    if "ended" in when and "first_commit" in when:
+    if clock == "cpu":
+        phases["total"] = sum(phases.values())
+    elif "ended" in when and "first_commit" in when:
         phases["total"] = when["first_commit"] - when["ended"]
     return phases
