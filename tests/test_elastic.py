@@ -52,6 +52,9 @@ def test_a_killed_worker_is_replaced_by_a_restart_from_the_last_commit(tmp_path)
     assert min(e["step"] for e in after) == 5  # the commit after step 4, the last before the kill
     assert sorted(indices(entries, 0, 0, before_step=5) + indices(entries, 0, 1)) == list(range(48))
     print(f"kill to first step after recovery: {min(e['time'] for e in after) - kill['time']:.2f} s")
+    timing = re.search(r"gradsyncrun: launch 1 timing: relaunch .*first_step .*total .*", output)
+    assert timing, output  # the driver's phases of the recovery (docs/elastic.md, Timing)
+    print(timing[0])
 
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
@@ -98,6 +101,20 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path):
     assert ("stopping after --max-restarts 1 restarts; last failure: the job exited with status"
             in output), output
     assert "rank 1 on " in output and "RuntimeError: worker failed on purpose" in output, output
+
+
+def test_a_host_whose_workers_are_killed_by_a_signal_is_blacklisted(tmp_path):
+    """No failure record names the host of a SIGKILLed worker: the launcher's report does."""
+    status, output = driver(["-np", "2", "--max-restarts", "5", "--blacklist-after", "2",
+                             "--start-timeout", "1"], f"--log {tmp_path / 'log'} --killed-always")
+    assert status == 1
+    # The first failure's restart line names the host; the second blacklists it, and no slot is left.
+    assert re.search(r"gradsyncrun: restart 1: the job exited with status \d+ \(the launcher reports a "
+                     r"failed worker on \S+\); launching 2 ranks on localhost:2", output), output
+    assert ("gradsyncrun: blacklisting host localhost: its workers failed 2 launches in a row"
+            in output), output
+    assert ("gradsyncrun: error: only 0 usable slots (no hosts; blacklisted: ['localhost']) after "
+            "waiting --start-timeout 1 s for --min-np 2") in output, output
 
 
 def workers_of(state_dir: Path, script: str) -> list[int]:

@@ -4,12 +4,13 @@ launcher command and the state directory's atomic write. References are written 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
 from gradsync.run import args as cli
-from gradsync.run import hosts, launcher, store
-from gradsync.run.driver import Driver, _hosts_named
+from gradsync.run import hosts, launcher, output, store
+from gradsync.run.driver import Driver, _hosts_named, _placed_among
 
 
 def test_host_lists_read_horovods_forms():
@@ -150,3 +151,14 @@ def test_the_process_start_time_is_the_start_of_the_interpreter():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           check=True)
     assert 0 <= float(done.stdout) < 60, done.stdout  # the interpreter's own start-up, 10 ms steps
+
+
+def test_the_launchers_reports_name_the_host_of_a_killed_worker():
+    assert output.failed_hosts("=   PID 595 RUNNING AT node7") == {"node7"}  # MPICH's Hydra
+    assert output.failed_hosts("srun: error: node7: task 1: Killed") == {"node7"}
+    assert output.failed_hosts("srun: error: n2: tasks 0-1,3: Segmentation fault") == {"n2"}
+    assert output.failed_hosts("srun: error: node8: tasks 0,2: Terminated") == set()  # srun ended them
+    assert output.failed_hosts("prterun noticed that process rank 1 with PID 0 on node n3 exited on "
+                               "signal 9 (Killed).") == {"n3"}  # Open MPI
+    assert output.failed_hosts("epoch 1/10 on 2 ranks") == set()
+    assert _placed_among({os.uname().nodename}, {"localhost": 2, "b": 1}) == {"localhost"}

@@ -140,3 +140,4 @@ def test_the_elastic_driver_relaunches_a_killed_worker_as_a_new_srun_step(tmp_pa
     assert sorted(before + [i for e in after for i in e["indices"]]) == list(range(48))
     kill = next(e for e in entries if e["event"] == "kill")
     print(f"srun steps: kill to first step after recovery: {min(e['time'] for e in after) - kill['time']:.2f} s")
+    print(re.search(r"gradsyncrun: launch 1 timing: .*", output)[0])

@@ -13,6 +13,7 @@ Faults, on the first launch only (``GRADSYNC_ELASTIC_RESTART`` 0):
                       the driver's host-update flag, so the next commit raises HostsUpdatedInterrupt.
 On every launch:
   --fail-always       rank 1 raises RuntimeError at step 1.
+  --killed-always     rank 1 SIGKILLs itself at step 1.
 """
 
 import argparse
@@ -39,6 +40,7 @@ parser.add_argument("--grow-at", type=int)
 parser.add_argument("--grow-slots", default="localhost:3")
 parser.add_argument("--slots-file", type=Path)
 parser.add_argument("--fail-always", action="store_true")
+parser.add_argument("--killed-always", action="store_true")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -71,6 +73,8 @@ def faults(step):
     """The faults of the command line that are due at the start of global step ``step``."""
     if args.fail_always and hvd.rank() == 1 and step == 1:
         raise RuntimeError("worker failed on purpose")
+    if args.killed_always and hvd.rank() == 1 and step == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
     if LAUNCH != 0:
         return
     if args.kill and [hvd.rank(), step] == [int(x) for x in args.kill.split(":")]:

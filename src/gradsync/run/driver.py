@@ -32,6 +32,7 @@ from pathlib import Path
 from . import hosts as hostlib
 from . import launcher, store
 from .args import parse_args
+from .output import LauncherOutput
 
 KILL_GRACE = 10.0
 
@@ -70,6 +71,7 @@ class Driver:
         self.failures = 0
         self.job: subprocess.Popen | None = None
         self.step_name: str | None = None
+        self.output: LauncherOutput | None = None
 
     def known_hosts(self) -> dict[str, int]:
         """Hosts -> slots now: the discovery script's output, or the static -H/--hostfile list."""
@@ -114,7 +116,9 @@ class Driver:
         store.record_time(self.state_dir, "launched", self.launches)
         self.launches += 1
         self.step_name = how.step_name
-        self.job = subprocess.Popen(how.argv, env=env, start_new_session=True)
+        self.job = subprocess.Popen(how.argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        self.output = LauncherOutput(self.job)
         return self.job
 
     def watch(self, job: subprocess.Popen, placed: dict[str, int]) -> Outcome:
@@ -138,6 +142,7 @@ class Driver:
             if removed:
                 _end(job, self.step_name)
                 status = job.wait()
+                self.output.finish()
                 store.record_time(self.state_dir, "ended", self.launches - 1)
                 return Outcome(status, f"hosts removed: {sorted(removed)}", failed=False)
             grown = min(sum(usable.values()), self.args.max_np) > sum(placed.values())
@@ -147,14 +152,20 @@ class Driver:
                 signalled = True
 
     def outcome(self, status: int, placed: dict[str, int]) -> Outcome:
-        """What the launcher's exit ``status`` means, with the failures the workers recorded."""
+        """What the launcher's exit ``status`` means, with the failures the workers recorded or,
+        where none did (a worker killed by a signal), the hosts the launcher's report names."""
+        reported = self.output.finish()
         if status == store.EXIT_HOSTS_UPDATED:
             return Outcome(status, "hosts added; the workers stopped at a commit", failed=False)
         records = store.read_failures(self.state_dir)
         cause = f"the job exited with status {status}"
         if records:
             cause += ": " + "; ".join(records)
-        return Outcome(status, cause, failed=status != 0, failed_hosts=_hosts_named(records, placed))
+            return Outcome(status, cause, failed=status != 0, failed_hosts=_hosts_named(records, placed))
+        failed_hosts = _placed_among(reported, placed) if status != 0 else set()
+        if failed_hosts:
+            cause += f" (the launcher reports a failed worker on {', '.join(sorted(reported))})"
+        return Outcome(status, cause, failed=status != 0, failed_hosts=failed_hosts)
 
     def run(self) -> int:
         """Launch until the job finishes (0) or the driver gives up (``DriverError``)."""
@@ -200,10 +211,16 @@ def _describe(hosts: dict[str, int]) -> str:
 
 
 def _hosts_named(records: list[str], placed: dict[str, int]) -> set[str]:
-    """The hosts of ``placed`` that failure records name (``rank r on HOST: ...``); a record from
-    this machine counts for ``localhost`` when that is what the launch used."""
-    local = {os.uname().nodename, "localhost", "127.0.0.1"}
-    named = {record.split(" on ", 1)[1].split(":", 1)[0] for record in records if " on " in record}
+    """The hosts of ``placed`` that failure records name (``rank r on HOST: ...``)."""
+    return _placed_among({record.split(" on ", 1)[1].split(":", 1)[0] for record in records
+                          if " on " in record}, placed)
+
+
+def _placed_among(named: set[str], placed: dict[str, int]) -> set[str]:
+    """The hosts of ``placed`` among the host names ``named``; a name of this machine counts for
+    ``localhost`` when that is what the launch used."""
+    node = os.uname().nodename
+    local = {node, node.split(".")[0], "localhost", "127.0.0.1"}
     return {host for host in placed if host in named or (host in local and named & local)}
 
 
