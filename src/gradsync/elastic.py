@@ -184,7 +184,7 @@ class State:
                                    lambda path: self.write_commit(committed, path))
         self.check_host_updates()
         global _first_commit_recorded
-        if not _first_commit_recorded:
+        if directory is not None and not _first_commit_recorded:  # this launch's first, for its timing
             _first_commit_recorded = True
             _record_time(directory, "first_commit")
 

@@ -13,14 +13,8 @@ saves the final parameters to ``--out`` (``numpy.savez``).
                     at the start of global step STEP.
 """
 
-import argparse
-import json
-import os
-import shutil
-import signal
-import time
-from pathlib import Path
 
+import elastic_worker
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,20 +22,10 @@ import optax
 
 import gradsync
 import gradsync.jax
-from gradsync.run import store
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--log", type=Path, required=True)
-parser.add_argument("--out", type=Path)
-parser.add_argument("--epochs", type=int, default=2)
-parser.add_argument("--kill")
-parser.add_argument("--kill-slots", default="localhost:2")
-parser.add_argument("--commit-copy", type=Path)
-parser.add_argument("--slots-file", type=Path)
-args = parser.parse_args()
+args = elastic_worker.parser().parse_args()
 
 gradsync.init()
-LAUNCH = store.restart_count()
 GLOBAL_BATCH, STEPS_PER_EPOCH = 6, 8
 rng = np.random.default_rng(1)
 inputs = rng.standard_normal((48, 4)).astype(np.float32)
@@ -66,18 +50,6 @@ def my_indices(epoch, step):
     return batch[gradsync.rank() * share:(gradsync.rank() + 1) * share]
 
 
-def log(**entry):
-    with open(args.log, "a") as out:
-        out.write(json.dumps(dict(entry, launch=LAUNCH, rank=gradsync.rank(), size=gradsync.size(),
-                                  time=time.time())) + "\n")
-
-
-def kill_if_due(step):
-    if LAUNCH == 0 and args.kill and [gradsync.rank(), step] == [int(x) for x in args.kill.split(":")]:
-        args.slots_file.write_text(args.kill_slots + "\n")
-        shutil.copy(store.state_dir() / store.COMMITTED, args.commit_copy)
-        log(event="kill", step=step)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 state = gradsync.jax.elastic.JaxState(params=params, opt_state=tx.init(params), epoch=0, batch=0, step=0)
@@ -88,13 +60,13 @@ state.register_reset_callbacks([lambda: resets.append(gradsync.size())])
 def train(state):
     while state.epoch < args.epochs:
         while state.batch < STEPS_PER_EPOCH:
-            kill_if_due(state.step)
+            elastic_worker.kill_if_due(args, state.step)
             leaves = [np.asarray(leaf).tolist() for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))]
             indices = my_indices(state.epoch, state.batch)
             grads = grad_fn(state.params, inputs[indices], targets[indices])
             updates, state.opt_state = tx.update(grads, state.opt_state, state.params)
             state.params = optax.apply_updates(state.params, updates)
-            log(event="step", epoch=state.epoch, step=state.step, indices=indices.tolist(), leaves=leaves,
+            elastic_worker.log(args.log, event="step", epoch=state.epoch, step=state.step, indices=indices.tolist(), leaves=leaves,
                 resets=resets)
             state.batch += 1
             state.step += 1
