@@ -8,7 +8,9 @@ restarts only: no controller or transport of its own.
 Usage and semantics: docs/elastic.md.
 
 Modules: ``args`` (command line), ``hosts`` (host lists, discovery, blacklist), ``launcher`` (the
-mpiexec or srun command), ``store`` (the state directory shared with the workers), ``driver`` (the loop).
+mpiexec or srun command), ``output`` (the launcher's output passed on, and the hosts of failed
+workers it names), ``store`` (the state directory shared with the workers, and the timing of each
+launch), ``driver`` (the loop). The workers' side is :mod:`gradsync.elastic`.
 """
 
 from .driver import main
