@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -148,8 +149,9 @@ def test_the_process_start_time_is_the_start_of_the_interpreter():
 
     code = ("import time; t = time.time()\nfrom gradsync.run import store\n"
             "print(t - store.process_start_time())")
+    src = str(Path(__file__).resolve().parent.parent / "src")  # this checkout's, as conftest.py
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          check=True)
+                          check=True, env=dict(os.environ, PYTHONPATH=src))
     assert 0 <= float(done.stdout) < 60, done.stdout  # the interpreter's own start-up, 10 ms steps
 
 
@@ -162,3 +164,19 @@ def test_the_launchers_reports_name_the_host_of_a_killed_worker():
                                "signal 9 (Killed).") == {"n3"}  # Open MPI
     assert output.failed_hosts("epoch 1/10 on 2 ranks") == set()
     assert _placed_among({os.uname().nodename}, {"localhost": 2, "b": 1}) == {"localhost"}
+
+
+def test_the_launcher_output_is_passed_on_and_its_wrapped_reports_read(capfd):
+    """Open MPI wraps its report over two lines; the copy keeps every byte, even without a newline."""
+    import subprocess
+    import sys
+
+    text = ("epoch 1\nprterun noticed that process rank 1 with PID 26264 on node vm exited on\n"
+            "signal 9 (Killed).\nprogress 50%\r")
+    job = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stderr.write({text!r}); print('out')"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    copied = output.LauncherOutput(job)
+    job.wait()
+    assert copied.finish() == {"vm"}
+    captured = capfd.readouterr()
+    assert captured.err == text and captured.out == "out\n"

@@ -6,7 +6,8 @@ launcher reports it, with its host:
 * MPICH's Hydra (stdout): ``=   PID 595 RUNNING AT node7`` in its "BAD TERMINATION" block;
 * srun (stderr): ``srun: error: node7: task 1: Killed`` (the tasks srun itself then ended, with
   ``--kill-on-bad-exit``, are reported as ``Terminated`` and are not counted);
-* Open MPI's prterun (stderr): ``... process rank 1 with PID 0 on node node7 exited on signal 9``.
+* Open MPI's prterun (stderr): ``... process rank 1 with PID 0 on node node7 exited on signal 9``,
+  wrapped over two lines (so each line is also read joined to the one before it).
 
 :class:`LauncherOutput` copies the launcher's stdout and stderr to the driver's own, byte for byte
 and without waiting for line ends, and collects the hosts those lines name.
@@ -24,7 +25,7 @@ from typing import BinaryIO
 FAILED_WORKER = (
     re.compile(r"^=\s+PID \d+ RUNNING AT (?P<host>\S+)\s*$"),
     re.compile(r"^srun: error: (?P<host>[^:\s]+): tasks? [\d,\-]+: (?!Terminated)"),
-    re.compile(r"\bon node (?P<host>\S+) exited on signal \d+"),
+    re.compile(r"\bwith PID \d+ on node (?P<host>\S+) exited on signal \d+"),
 )
 
 
@@ -46,20 +47,25 @@ class LauncherOutput:
             thread.start()
 
     def _copy(self, source: BinaryIO, sink) -> None:
-        pending = b""
+        pending, last = b"", ""
         while chunk := os.read(source.fileno(), 1 << 16):
             _write(sink, chunk)
             *lines, pending = (pending + chunk).split(b"\n")
-            self._scan(lines)
-        self._scan([pending])
+            last = self._scan(lines, last)
+        self._scan([pending], last)
         source.close()
 
-    def _scan(self, lines: list[bytes]) -> None:
-        for line in lines:
-            named = failed_hosts(line.decode(errors="replace"))
+    def _scan(self, lines: list[bytes], last: str) -> str:
+        """Collect the hosts that ``lines``, each alone and joined to the one before (``last``
+        first), name; returns the last line."""
+        for raw in lines:
+            line = raw.decode(errors="replace").rstrip("\r")
+            named = failed_hosts(line) | failed_hosts(f"{last} {line}")
             if named:
                 with self._lock:
                     self.hosts |= named
+            last = line
+        return last
 
     def finish(self, timeout: float = 5.0) -> set[str]:
         """Wait (up to ``timeout`` s per pipe) for the copies to reach the end; the hosts named."""
