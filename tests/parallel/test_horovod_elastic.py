@@ -5,7 +5,6 @@ and the index lists of a DistributedSampler-style partition written out by hand.
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -128,14 +127,6 @@ def test_run_does_not_retry_a_failed_collective_and_says_so():
     with pytest.raises(CollectiveError) as caught:
         train(hvd.elastic.TorchState(epoch=0))
     assert "start the job with `python -m gradsync.run`" in " ".join(caught.value.__notes__)
-
-
-@pytest.fixture
-def state_dir(tmp_path, monkeypatch):
-    """Rank 0's temporary directory as GRADSYNC_ELASTIC_STATE_DIR on every rank, as the driver sets it."""
-    directory = hvd.broadcast_object(str(tmp_path), root_rank=0)
-    monkeypatch.setenv(store.STATE_DIR_ENV, directory)
-    return Path(directory)
 
 
 def test_commit_under_the_driver_writes_the_state_and_run_resumes_from_it(state_dir):

@@ -2,13 +2,11 @@
 driver's state directory that ``run`` resumes from. References are exact values: rank 0's pytree
 after a sync, the saved pytree after a restore, the committed pytree after a resume."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gradsync
-from gradsync.run import store
 
 pytestmark = pytest.mark.jax
 jax = pytest.importorskip("jax")
@@ -54,14 +52,6 @@ def test_restore_goes_back_to_the_last_save_numpy_leaves_included():
     state.restore()
     assert_same(leaves(state), saved)
     assert (state.epoch, state.history) == (1, [1])
-
-
-@pytest.fixture
-def state_dir(tmp_path, monkeypatch):
-    """Rank 0's temporary directory as GRADSYNC_ELASTIC_STATE_DIR on every rank, as the driver sets it."""
-    directory = gradsync.broadcast_object(str(tmp_path), root_rank=0)
-    monkeypatch.setenv(store.STATE_DIR_ENV, directory)
-    return Path(directory)
 
 
 def test_run_resumes_from_the_commit_exactly(state_dir):
