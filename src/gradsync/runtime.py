@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from . import launch, mpi_environment
@@ -225,6 +226,7 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
     global _runtime
     if _runtime is not None and _runtime.pid == os.getpid():
         return
+    started, cpu_started = time.time(), time.process_time()
     config = Config.resolve(settings)
     _configure_logging(config.log_level)
     MPI = launch.start_mpi()
@@ -241,6 +243,8 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
             raise GradsyncError(mismatch)
         launch.warn_if_batch_script_without_srun(launcher, world.Get_size())
     _runtime = Runtime(config, world)
+    # Wall clock and this process's CPU seconds at the start and end, for the elastic recovery's phases.
+    _runtime.init_times = ((started, cpu_started), (time.time(), time.process_time()))
     atexit.unregister(shutdown)
     atexit.register(shutdown)
     for process_set in process_sets or ():

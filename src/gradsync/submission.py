@@ -67,7 +67,7 @@ def prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet,
         info = adapter.info(tensor)
     except TypeError as exc:  # name the rank too, as every error about a collective does
         raise TypeError(f"{where}: {str(exc).removeprefix('gradsync: ')}") from None
-    if info.dtype not in dtypes.NUMPY_DTYPES:
+    if info.dtype not in dtypes.SUPPORTED:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
     device = None
     if device_kind(info.device) != "cpu":

@@ -100,6 +100,17 @@ def size() -> int:
 
 
 @pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Rank 0's temporary directory as GRADSYNC_ELASTIC_STATE_DIR on every rank, as the elastic
+    driver sets it (tests of gradsync.torch.elastic and gradsync.jax.elastic)."""
+    from gradsync.run import store
+
+    directory = gradsync.broadcast_object(str(tmp_path), root_rank=0)
+    monkeypatch.setenv(store.STATE_DIR_ENV, directory)
+    return Path(directory)
+
+
+@pytest.fixture
 def case(request: pytest.FixtureRequest) -> str:
     """The test's name with its parameters, the same on every rank: a name for its collectives."""
     return request.node.name

@@ -13,32 +13,24 @@ Faults, on the first launch only (``GRADSYNC_ELASTIC_RESTART`` 0):
                       the driver's host-update flag, so the next commit raises HostsUpdatedInterrupt.
 On every launch:
   --fail-always       rank 1 raises RuntimeError at step 1.
+  --killed-always     rank 1 SIGKILLs itself at step 1.
 """
 
-import argparse
-import json
 import os
-import shutil
 import signal
 import time
-from pathlib import Path
 
+import elastic_worker
 import torch
 
 import gradsync.torch as hvd
 from gradsync.run import store
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--log", type=Path, required=True)
-parser.add_argument("--out", type=Path)
-parser.add_argument("--epochs", type=int, default=2)
-parser.add_argument("--kill")
-parser.add_argument("--kill-slots", default="localhost:2")
-parser.add_argument("--commit-copy", type=Path)
+parser = elastic_worker.parser()
 parser.add_argument("--grow-at", type=int)
 parser.add_argument("--grow-slots", default="localhost:3")
-parser.add_argument("--slots-file", type=Path)
 parser.add_argument("--fail-always", action="store_true")
+parser.add_argument("--killed-always", action="store_true")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -63,22 +55,17 @@ def on_reset():
 
 
 def log(**entry):
-    with open(args.log, "a") as out:
-        out.write(json.dumps(dict(entry, launch=LAUNCH, rank=hvd.rank(), size=hvd.size(), time=time.time())) + "\n")
+    elastic_worker.log(args.log, **entry)
 
 
 def faults(step):
     """The faults of the command line that are due at the start of global step ``step``."""
     if args.fail_always and hvd.rank() == 1 and step == 1:
         raise RuntimeError("worker failed on purpose")
-    if LAUNCH != 0:
-        return
-    if args.kill and [hvd.rank(), step] == [int(x) for x in args.kill.split(":")]:
-        args.slots_file.write_text(args.kill_slots + "\n")
-        shutil.copy(store.state_dir() / store.COMMITTED, args.commit_copy)
-        log(event="kill", step=step)
+    if args.killed_always and hvd.rank() == 1 and step == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    if args.grow_at == step and hvd.rank() == 0:
+    elastic_worker.kill_if_due(args, step)
+    if LAUNCH == 0 and args.grow_at == step and hvd.rank() == 0:
         args.slots_file.write_text(args.grow_slots + "\n")
         deadline = time.monotonic() + 60
         while not (store.state_dir() / store.HOSTS_UPDATED).exists() and time.monotonic() < deadline:

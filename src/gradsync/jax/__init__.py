@@ -8,6 +8,7 @@ optax only when called). Four lines make a single-process JAX + optax script dat
     tx = gradsync.jax.DistributedOptimizer(optax.sgd(lr * gradsync.size()))
     params = gradsync.jax.broadcast_parameters(params, root_rank=0)
 
+``gradsync.jax.elastic`` keeps pytrees across the elastic driver's restarts (docs/elastic.md).
 The collectives work outside ``jax.jit`` and inside it; see docs/jax.md. jax arrays are immutable,
 so there are no in-place forms (``allreduce_``): every op returns new arrays. The handles of the
 ``*_async`` ops are waited on with ``gradsync.synchronize`` and tested with ``gradsync.poll``.
@@ -15,6 +16,7 @@ so there are no in-place forms (``allreduce_``): every op returns new arrays. Th
 
 from __future__ import annotations
 
+from . import elastic
 from .collectives import (
     JaxHandle,
     allgather,
@@ -34,7 +36,7 @@ __all__ = [
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async", "reducescatter", "alltoall",
     "JaxHandle",
-    "DistributedOptimizer", "broadcast_parameters", "average_metrics",
+    "DistributedOptimizer", "broadcast_parameters", "average_metrics", "elastic",
 ]
 
 

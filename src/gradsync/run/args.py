@@ -12,8 +12,8 @@ from .hosts import HostsError, parse_hosts
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``gradsyncrun`` / ``python -m gradsync.run``."""
     p = argparse.ArgumentParser(
-        prog="gradsyncrun", description="Run a gradsync job elastically: relaunch it through mpiexec on "
-        "the hosts available when a worker fails or hosts change; the workers resume from the last "
+        prog="gradsyncrun", description="Run a gradsync job elastically: relaunch it through mpiexec or "
+        "srun on the hosts available when a worker fails or hosts change; the workers resume from the last "
         "commit (docs/elastic.md).")
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="ranks of the first launch "
                    "(default: all usable slots up to --max-np)")
@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
                    help="failed launches in a row after which a host is left out (default 2)")
     p.add_argument("--mpi", choices=("auto", "mpich", "openmpi"), default="auto",
                    help="the MPI whose launcher syntax to use (default: ask mpiexec --version)")
+    p.add_argument("--launcher", choices=("auto", "srun", "mpiexec"), default="auto",
+                   help="start each launch as an srun job step or through mpiexec (default: srun "
+                   "inside a SLURM allocation whose srun has the MPI's plugin, else mpiexec)")
     p.add_argument("--mpiexec", help="the launcher (default: the mpiexec beside this Python, else on PATH)")
     p.add_argument("--state-dir", help="where committed state lives, shared by the hosts' rank 0 "
                    "(default: a temporary directory, removed at the end)")

@@ -32,6 +32,7 @@ from pathlib import Path
 from . import hosts as hostlib
 from . import launcher, store
 from .args import parse_args
+from .output import LauncherOutput
 
 KILL_GRACE = 10.0
 
@@ -64,9 +65,13 @@ class Driver:
         self.state_dir = state_dir
         self.blacklist = hostlib.Blacklist(args.blacklist_after)
         self.mpiexec = launcher.find_mpiexec(args.mpiexec)
+        self.kind = launcher.flavour(self.mpiexec) if args.mpi == "auto" else args.mpi
+        self.launcher = launcher.choose(args.launcher, self.kind)
         self.launches = 0
         self.failures = 0
         self.job: subprocess.Popen | None = None
+        self.step_name: str | None = None
+        self.output: LauncherOutput | None = None
 
     def known_hosts(self) -> dict[str, int]:
         """Hosts -> slots now: the discovery script's output, or the static -H/--hostfile list."""
@@ -101,11 +106,19 @@ class Driver:
     def launch(self, placed: dict[str, int]) -> subprocess.Popen:
         """Start the workers on ``placed`` in a new process group."""
         store.clear_launch_files(self.state_dir)
-        env = dict(os.environ, **{store.STATE_DIR_ENV: str(self.state_dir),
-                                  store.RESTART_ENV: str(self.launches)})
-        cmd = launcher.command(self.mpiexec, self.args.mpi, placed, self.args.command)
+        if self.launcher == "srun":
+            step = f"gradsync-elastic-{os.getpid()}-{self.launches}"
+            how = launcher.srun_launch(self.kind, placed, self.args.command, self.state_dir, step)
+        else:
+            how = launcher.mpiexec_launch(self.mpiexec, self.kind, placed, self.args.command)
+        env = dict(os.environ, **how.env, **{store.STATE_DIR_ENV: str(self.state_dir),
+                                             store.RESTART_ENV: str(self.launches)})
+        store.record_time(self.state_dir, "launched", self.launches)
         self.launches += 1
-        self.job = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.step_name = how.step_name
+        self.job = subprocess.Popen(how.argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        self.output = LauncherOutput(self.job)
         return self.job
 
     def watch(self, job: subprocess.Popen, placed: dict[str, int]) -> Outcome:
@@ -114,6 +127,7 @@ class Driver:
         while True:
             try:
                 status = job.wait(timeout=self.args.poll_interval)
+                store.record_time(self.state_dir, "ended", self.launches - 1)
                 return self.outcome(status, placed)
             except subprocess.TimeoutExpired:
                 pass
@@ -126,8 +140,11 @@ class Driver:
                 continue
             removed = {h for h, n in placed.items() if usable.get(h, 0) < n}
             if removed:
-                _end(job)
-                return Outcome(job.wait(), f"hosts removed: {sorted(removed)}", failed=False)
+                _end(job, self.step_name)
+                status = job.wait()
+                self.output.finish()
+                store.record_time(self.state_dir, "ended", self.launches - 1)
+                return Outcome(status, f"hosts removed: {sorted(removed)}", failed=False)
             grown = min(sum(usable.values()), self.args.max_np) > sum(placed.values())
             if grown and not signalled:
                 log(f"hosts added ({_describe(usable)}): the workers stop at their next commit")
@@ -135,14 +152,20 @@ class Driver:
                 signalled = True
 
     def outcome(self, status: int, placed: dict[str, int]) -> Outcome:
-        """What the launcher's exit ``status`` means, with the failures the workers recorded."""
+        """What the launcher's exit ``status`` means, with the failures the workers recorded or,
+        where none did (a worker killed by a signal), the hosts the launcher's report names."""
+        reported = self.output.finish()
         if status == store.EXIT_HOSTS_UPDATED:
             return Outcome(status, "hosts added; the workers stopped at a commit", failed=False)
         records = store.read_failures(self.state_dir)
         cause = f"the job exited with status {status}"
         if records:
             cause += ": " + "; ".join(records)
-        return Outcome(status, cause, failed=status != 0, failed_hosts=_hosts_named(records, placed))
+            return Outcome(status, cause, failed=status != 0, failed_hosts=_hosts_named(records, placed))
+        failed_hosts = _placed_among(reported, placed) if status != 0 else set()
+        if failed_hosts:
+            cause += f" (the launcher reports a failed worker on {', '.join(sorted(reported))})"
+        return Outcome(status, cause, failed=status != 0, failed_hosts=failed_hosts)
 
     def run(self) -> int:
         """Launch until the job finishes (0) or the driver gives up (``DriverError``)."""
@@ -155,10 +178,23 @@ class Driver:
                     f"ranks on {_describe(placed)}")
             outcome = self.watch(self.launch(placed), placed)
             if outcome.status == 0:
+                self.log_recoveries()
                 log(f"the job finished after {self.launches} launch(es)")
                 return 0
             if outcome.failed:
                 self.count_failure(outcome, placed)
+
+    def log_recoveries(self) -> None:
+        """One log line per relaunch: the seconds of each phase from the end of the previous launch
+        to the first commit, with rank 0's CPU seconds in its phases
+        (:func:`gradsync.run.store.recovery_phases`)."""
+        for launch in range(1, self.launches):
+            phases = store.recovery_phases(self.state_dir, launch)
+            cpu = store.recovery_phases(self.state_dir, launch, clock="cpu")
+            parts = [f"{name} {seconds:.2f} s" + (f" (cpu {cpu[name]:.2f} s)" if name in cpu else "")
+                     for name, seconds in phases.items()]
+            if parts:
+                log(f"launch {launch} timing: " + ", ".join(parts))
 
     def count_failure(self, outcome: Outcome, placed: dict[str, int]) -> None:
         """Count a failed launch; ``DriverError`` naming it once --max-restarts is spent."""
@@ -175,15 +211,22 @@ def _describe(hosts: dict[str, int]) -> str:
 
 
 def _hosts_named(records: list[str], placed: dict[str, int]) -> set[str]:
-    """The hosts of ``placed`` that failure records name (``rank r on HOST: ...``); a record from
-    this machine counts for ``localhost`` when that is what the launch used."""
-    local = {os.uname().nodename, "localhost", "127.0.0.1"}
-    named = {record.split(" on ", 1)[1].split(":", 1)[0] for record in records if " on " in record}
+    """The hosts of ``placed`` that failure records name (``rank r on HOST: ...``)."""
+    return _placed_among({record.split(" on ", 1)[1].split(":", 1)[0] for record in records
+                          if " on " in record}, placed)
+
+
+def _placed_among(named: set[str], placed: dict[str, int]) -> set[str]:
+    """The hosts of ``placed`` among the host names ``named``; a name of this machine counts for
+    ``localhost`` when that is what the launch used."""
+    node = os.uname().nodename
+    local = {node, node.split(".")[0], "localhost", "127.0.0.1"}
     return {host for host in placed if host in named or (host in local and named & local)}
 
 
-def _end(job: subprocess.Popen) -> None:
-    """SIGTERM the job's process group; SIGKILL it if it is still there after KILL_GRACE s."""
+def _end(job: subprocess.Popen, step_name: str | None) -> None:
+    """SIGTERM the job's process group; SIGKILL it if it is still there after KILL_GRACE s. An srun
+    step (``step_name``) is then cancelled too, in case its srun died before ending it."""
     try:
         os.killpg(job.pid, signal.SIGTERM)
         job.wait(timeout=KILL_GRACE)
@@ -191,6 +234,8 @@ def _end(job: subprocess.Popen) -> None:
         os.killpg(job.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if step_name is not None:
+        launcher.cancel_step(step_name)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -212,6 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if driver is not None and driver.job is not None and driver.job.poll() is None:
-            _end(driver.job)
+            _end(driver.job, driver.step_name)
         if args.state_dir is None:
             shutil.rmtree(state_dir, ignore_errors=True)

@@ -14,7 +14,7 @@ import torch
 
 from .. import dtypes
 
-_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, dtypes.NUMPY_DTYPES["bfloat16"]: torch.bfloat16,
+_TORCH_DTYPES = {np.dtype(np.float16): torch.float16,  # bfloat16: torch_dtype (no ml_dtypes import here)
                  np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
                  np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
                  np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32,
@@ -23,7 +23,8 @@ _TORCH_DTYPES = {np.dtype(np.float16): torch.float16, dtypes.NUMPY_DTYPES["bfloa
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     """The torch dtype of a numpy dtype of :data:`gradsync.dtypes.NUMPY_DTYPES`."""
-    return _TORCH_DTYPES[np.dtype(dtype)]
+    dtype = np.dtype(dtype)
+    return torch.bfloat16 if dtypes.is_bfloat16(dtype) else _TORCH_DTYPES[dtype]
 
 
 class TorchDevice:
@@ -130,7 +131,7 @@ def _numpy_view(tensor: torch.Tensor, dtype: np.dtype) -> np.ndarray:
 
 def _host_tensor(array: np.ndarray) -> torch.Tensor:
     """A torch view of a host numpy array (pinned or not), bfloat16 included."""
-    if array.dtype == dtypes.NUMPY_DTYPES["bfloat16"]:
+    if dtypes.is_bfloat16(array.dtype):
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
