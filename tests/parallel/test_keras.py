@@ -232,3 +232,23 @@ def test_value_collectives_against_numpy(rank, size):
     np.testing.assert_allclose(keras.ops.convert_to_numpy(hvd.reducescatter(rows * (rank + 1), name="keras.rs")),
                                rows[rank: rank + 1] * ranks_sum / size)
     assert float(keras.ops.convert_to_numpy(hvd.allreduce(3.0, name="keras.scalar", op=hvd.Sum))) == 3.0 * size
+
+
+@pytest.mark.parametrize("sparse_as_dense", [True, False])
+def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense):
+    def embedding_model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 2),
+                                 keras.layers.Flatten(), keras.layers.Dense(2)])
+
+    ids = [np.random.default_rng(r).integers(0, 10, (B, 3)).astype("int32") for r in range(gradsync.size())]
+    targets = [np.random.default_rng(50 + r).normal(size=(B, 2)).astype("float32") for r in range(gradsync.size())]
+    model = embedding_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), sparse_as_dense=sparse_as_dense),
+                  loss="mse")
+    model.fit(ids[gradsync.rank()], targets[gradsync.rank()], batch_size=B, verbose=0, shuffle=False)
+    reference = embedding_model()
+    reference.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    reference.fit(np.concatenate(ids), np.concatenate(targets), batch_size=B * gradsync.size(), verbose=0)
+    assert_same_on_every_rank(model.get_weights(), case)
+    np.testing.assert_allclose(flat(model.get_weights()), flat(reference.get_weights()), atol=1e-5)

@@ -68,6 +68,7 @@ class _Settings:
     passes: int  # backward passes per step (Keras's gradient_accumulation_steps)
     average_aggregated: bool
     process_set: ProcessSet
+    sparse_as_dense: bool = False
     predivide: float = 1.0  # gradient_predivide_factor: scale 1/f before the sum, f after
 
 
@@ -97,6 +98,8 @@ class _Distributed:
     def _reduce(self, grads: list[Any]) -> list[Any]:
         settings = self._gradsync
         f = settings.predivide
+        if settings.sparse_as_dense:
+            grads = backend_ops().densify(grads)
         compressed, contexts = zip(*[settings.compression.compress(g if f == 1 else g * (1 / f))
                                      for g in grads])
         reduced = backend_ops().grouped_allreduce(list(compressed), f"{settings.name}.gradients",
@@ -153,11 +156,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
     ``gradient_accumulation_steps=k`` is treated as ``backward_passes_per_step=k`` with averaging
     (Keras's semantics).
 
-    The arguments are Horovod's, in its order. ``device_dense``, ``device_sparse``,
-    ``sparse_as_dense``, ``num_groups`` and ``groups`` are accepted and change nothing: gradsync
-    moves host copies, densifies sparse gradients (``tf.IndexedSlices``) itself, and fuses all
-    gradients of a step as one grouped allreduce (Horovod's groups only split its fusion; the
-    result is the same).
+    The arguments are Horovod's, in its order. ``sparse_as_dense=True`` turns the TensorFlow
+    backend's sparse gradients (``tf.IndexedSlices``, from embeddings) into dense tensors that join
+    the grouped allreduce; without it they are allgathered, as Horovod does (the other backends'
+    gradients are dense). ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are
+    accepted and change nothing: gradsync moves host copies and fuses all gradients of a step as
+    one grouped allreduce (Horovod's groups only split its fusion; the result is the same).
 
     Args:
         optimizer: a Keras 3 optimizer, not yet built (its variables are not copied: wrap it
@@ -191,7 +195,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
     while issubclass(base, _Distributed):  # wrapping twice would average twice
         base = base.__mro__[2]
     settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
-                         passes, average, process_set, float(gradient_predivide_factor))
+                         passes, average, process_set, sparse_as_dense, float(gradient_predivide_factor))
     return _distributed_class(base, settings).from_config(config)
 
 
