@@ -92,6 +92,25 @@ def environment(ranks: int, environ: dict[str, str] | None = None) -> dict[str, 
     return info
 
 
+def launch_measured(cmd: list[str], processes: int, env: dict[str, str]) -> tuple[float, float]:
+    """Run ``cmd``, a step benchmark that prints ``median_step_us=<us> median_cpu_us=<us>``
+    (rank 0 of an MPI job): under ``mpiexec -n processes`` when ``processes > 1``, as
+    ``-processes`` independent copies at once when ``processes < 0`` (the floor). Returns the two
+    medians, the copies' means. Exits with the output of a launch that printed no figures."""
+    if processes > 1:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
+    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(max(1, -processes))]
+    values = []
+    for run in runs:
+        out, err = run.communicate(timeout=900)
+        line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
+        if not line:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err[-4000:]}")
+        values.append([float(field.split("=")[1]) for field in line[0].split()])
+    return sum(v[0] for v in values) / len(values), sum(v[1] for v in values) / len(values)
+
+
 def malloc_summary(env: dict[str, str]) -> str:
     """'glibc default' or the malloc variables that were set, for a one-line statement."""
     tuned = [f"{v}={env[v]}" for v in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")

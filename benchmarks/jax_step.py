@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -222,18 +221,10 @@ def launch(mode: str, update: str, processes: int, args, env: dict) -> tuple[flo
     configuration; ``processes < 0``: that many single processes at once, their means."""
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--update", update, "--model",
            args.model, "--steps", str(args.steps), "--batch", str(args.batch)]
-    if processes > 1:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
-    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for _ in range(max(1, -processes))]
-    values = []
-    for run in runs:
-        out, err = run.communicate(timeout=900)
-        line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
-        if not line:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err}")
-        values.append([float(field.split("=")[1]) for field in line[0].split()])
-    return statistics.mean(v[0] for v in values), statistics.mean(v[1] for v in values)
+    sys.path.insert(0, HERE)
+    import benchenv
+
+    return benchenv.launch_measured(cmd, processes, env)
 
 
 def compare(args) -> None:

@@ -35,12 +35,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import benchenv  # noqa: E402
 from jax_step import XLA_ONE_THREAD, launcher_rank  # noqa: E402
 
 SIZES = (784, 1024, 1024, 10)
@@ -165,19 +165,7 @@ def launch(backend: str, mode: str, processes: int, args, env: dict) -> tuple[fl
     ``processes < 0``, that many single processes at once, their mean)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch)]
-    if processes > 1:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
-    env = dict(env, KERAS_BACKEND=backend)
-    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for _ in range(max(1, -processes))]
-    values = []
-    for run in runs:
-        out, err = run.communicate(timeout=900)
-        line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
-        if not line:
-            raise SystemExit(f"KERAS_BACKEND={backend} {' '.join(cmd)} failed:\n{out}\n{err[-4000:]}")
-        values.append([float(field.split("=")[1]) for field in line[0].split()])
-    return statistics.mean(v[0] for v in values), statistics.mean(v[1] for v in values)
+    return benchenv.launch_measured(cmd, processes, dict(env, KERAS_BACKEND=backend))
 
 
 def compare(args) -> None:
@@ -197,8 +185,6 @@ def compare(args) -> None:
     print(f"{'configuration':42s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   each launch, ms")
     table = [row(label, backend, against, rows, results, cpu, args) for label, backend, *_, against in rows]
     if args.csv:
-        import benchenv
-
         benchenv.write_csv(args.csv, table, benchenv.environment(args.ranks, env))
         print(f"# wrote {args.csv}")
 
