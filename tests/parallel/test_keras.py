@@ -252,3 +252,23 @@ def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense):
     reference.fit(np.concatenate(ids), np.concatenate(targets), batch_size=B * gradsync.size(), verbose=0)
     assert_same_on_every_rank(model.get_weights(), case)
     np.testing.assert_allclose(flat(model.get_weights()), flat(reference.get_weights()), atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_partial_distributed_optimizer_keeps_local_layers_gradients_local(case, rank, size, scale):
+    x, y = rank_data(rank, B)
+    model = make_model()
+    optimizer = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(LR), local_layers=model.layers[0],
+                                                scale_local_gradients=scale)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    # layer 1: averaged as by DistributedOptimizer; layer 0: this rank's own SGD step, its gradient
+    # divided by the size when scale_local_gradients
+    averaged = flat(reference_weights(1, B, LR)[2:])
+    alone = make_model()
+    alone.compile(optimizer=keras.optimizers.SGD(LR / size if scale else LR), loss="mse")
+    alone.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(flat(model.get_weights()[2:]), averaged, atol=1e-5)
+    np.testing.assert_allclose(flat(model.get_weights()[:2]), flat(alone.get_weights()[:2]), atol=1e-6)
+    if size > 1:
+        assert not np.allclose(flat(model.get_weights()[:2]), flat(reference_weights(1, B, LR)[:2]), atol=1e-6)

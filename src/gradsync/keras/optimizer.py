@@ -84,7 +84,8 @@ class _Distributed:
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
-        present = [i for i, g in enumerate(grads) if g is not None]
+        local = getattr(self, "_gradsync_local", frozenset())
+        present = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in local]
         if present:
             given = [grads[i] for i in present]
             if self._gradsync.passes > 1:
@@ -93,7 +94,16 @@ class _Distributed:
                 reduced = self._reduce(given)
             for i, g in zip(present, reduced):
                 grads[i] = g
+        if local and getattr(self, "_gradsync_scale_local", True):  # Horovod's: divided by the size
+            size = float(self._gradsync.process_set.size())
+            grads = [g / size if g is not None and id(v) in local else g for g, v in zip(grads, variables)]
         return super().apply(grads, trainable_variables)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: not reduced, divided by the size of the process set
+        (unless ``scale_local_gradients=False``), as Horovod's ``register_local_var``. Every rank
+        must register the same variables (which gradients are reduced must agree across ranks)."""
+        self._gradsync_local = getattr(self, "_gradsync_local", frozenset()) | {id(var)}
 
     def _reduce(self, grads: list[Any]) -> list[Any]:
         settings = self._gradsync
@@ -197,6 +207,37 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
     settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
                          passes, average, process_set, sparse_as_dense, float(gradient_predivide_factor))
     return _distributed_class(base, settings).from_config(config)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: Compressor = Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups: Any = None, process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None, scale_local_gradients: bool = True) -> Any:
+    """:func:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of them) keep
+    their gradients local (``horovod.keras.PartialDistributedOptimizer``): not reduced, and
+    divided by the size of ``process_set`` unless ``scale_local_gradients=False`` (Horovod's rule).
+    The other arguments are DistributedOptimizer's. Every rank must name the same layers.
+
+    Raises:
+        ValueError: an element of ``local_layers`` is not a ``keras.layers.Layer``; the errors of
+            :func:`DistributedOptimizer`.
+    """
+    layers = [] if local_layers is None else (
+        [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers))
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError(f"gradsync: rank {runtime.get().rank}: PartialDistributedOptimizer: local_layers "
+                         f"must be Keras layers, got {[type(layer).__name__ for layer in layers]}")
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, backward_passes_per_step,
+                                   average_aggregated_gradients, 0, groups, process_set)
+    wrapped._gradsync_scale_local = scale_local_gradients
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            wrapped.register_local_var(variable)
+    return wrapped
 
 
 def _passes(config: dict, backward_passes_per_step: int, average: bool) -> tuple[int, bool]:
