@@ -34,7 +34,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -185,17 +184,16 @@ def measure(mode: str, update: str, model: str, steps: int, warmup: int, batch: 
 
     sizes = MODELS[model][0]
     step, params, state, x, y, rank = setup(mode, update, sizes, batch)
-    times, cpu = [], []
-    for i in range(warmup + steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
+
+    def one_step() -> None:
+        nonlocal params, state
         params, state = step(params, state, x, y)
         jax.block_until_ready(params)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    if rank == 0:
-        print(f"median_step_us={statistics.median(times) * 1e6:.1f} "
-              f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
+
+    sys.path.insert(0, HERE)
+    import benchenv
+
+    benchenv.print_step_medians(one_step, steps, warmup, rank)
 
 
 def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:

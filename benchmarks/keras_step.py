@@ -36,7 +36,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -136,16 +135,7 @@ def measure(mode: str, steps: int, warmup: int, batch: int) -> None:
 
         model.train_on_batch(x, y)  # builds the optimizer's variables, then everyone starts from rank 0's
         hvd.broadcast_variables(model.variables + model.optimizer.variables, root_rank=0)
-    times, cpu = [], []
-    for i in range(warmup + steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        model.train_on_batch(x, y)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    if rank == 0:
-        print(f"median_step_us={statistics.median(times) * 1e6:.1f} "
-              f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
+    benchenv.print_step_medians(lambda: model.train_on_batch(x, y), steps, warmup, rank)
 
 
 def configs(backends: list[str], ranks: int) -> list[tuple[str, str, str, int, str]]:
