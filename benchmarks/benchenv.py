@@ -13,9 +13,11 @@ import csv
 import importlib.metadata
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 # Variables that change the figures; each is recorded, "unset" when absent.
 RECORDED_VARIABLES = ("OMP_NUM_THREADS", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
@@ -90,6 +92,41 @@ def environment(ranks: int, environ: dict[str, str] | None = None) -> dict[str, 
     for variable in sorted(v for v in environ if v.startswith("GRADSYNC_")):
         info[variable] = environ[variable]
     return info
+
+
+def print_step_medians(step: Callable[[], object], steps: int, warmup: int, rank: int) -> None:
+    """Run ``step()`` ``warmup + steps`` times; on rank 0 print the medians of the timed steps'
+    wall and CPU time (all the process's threads) as ``median_step_us=<us> median_cpu_us=<us>``,
+    the line :func:`launch_measured` reads."""
+    times, cpu = [], []
+    for i in range(warmup + steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    if rank == 0:
+        print(f"median_step_us={statistics.median(times) * 1e6:.1f} "
+              f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
+
+
+def launch_measured(cmd: list[str], processes: int, env: dict[str, str]) -> tuple[float, float]:
+    """Run ``cmd``, a step benchmark that prints ``median_step_us=<us> median_cpu_us=<us>``
+    (rank 0 of an MPI job): under ``mpiexec -n processes`` when ``processes > 1``, as
+    ``-processes`` independent copies at once when ``processes < 0`` (the floor). Returns the two
+    medians, the copies' means. Exits with the output of a launch that printed no figures."""
+    if processes > 1:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
+    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(max(1, -processes))]
+    values = []
+    for run in runs:
+        out, err = run.communicate(timeout=900)
+        line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
+        if not line:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err[-4000:]}")
+        values.append([float(field.split("=")[1]) for field in line[0].split()])
+    return sum(v[0] for v in values) / len(values), sum(v[1] for v in values) / len(values)
 
 
 def malloc_summary(env: dict[str, str]) -> str:

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -186,17 +184,16 @@ def measure(mode: str, update: str, model: str, steps: int, warmup: int, batch: 
 
     sizes = MODELS[model][0]
     step, params, state, x, y, rank = setup(mode, update, sizes, batch)
-    times, cpu = [], []
-    for i in range(warmup + steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
+
+    def one_step() -> None:
+        nonlocal params, state
         params, state = step(params, state, x, y)
         jax.block_until_ready(params)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    if rank == 0:
-        print(f"median_step_us={statistics.median(times) * 1e6:.1f} "
-              f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
+
+    sys.path.insert(0, HERE)
+    import benchenv
+
+    benchenv.print_step_medians(one_step, steps, warmup, rank)
 
 
 def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
@@ -222,18 +219,10 @@ def launch(mode: str, update: str, processes: int, args, env: dict) -> tuple[flo
     configuration; ``processes < 0``: that many single processes at once, their means."""
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--update", update, "--model",
            args.model, "--steps", str(args.steps), "--batch", str(args.batch)]
-    if processes > 1:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
-    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for _ in range(max(1, -processes))]
-    values = []
-    for run in runs:
-        out, err = run.communicate(timeout=900)
-        line = [x for x in out.splitlines() if x.startswith("median_step_us=")]
-        if not line:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err}")
-        values.append([float(field.split("=")[1]) for field in line[0].split()])
-    return statistics.mean(v[0] for v in values), statistics.mean(v[1] for v in values)
+    sys.path.insert(0, HERE)
+    import benchenv
+
+    return benchenv.launch_measured(cmd, processes, env)
 
 
 def compare(args) -> None:

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Horovod's own PyTorch tests (test/parallel/test_torch.py of horovod/horovod) against gradsync.torch,
 # or with SUITE=tensorflow its TensorFlow tests (test/parallel/test_tensorflow.py) against
-# gradsync.tensorflow,
+# gradsync.tensorflow, or with SUITE=tensorflow_keras / tensorflow2_keras its Keras tests
+# (test/parallel/test_tensorflow[2]_keras.py) against gradsync.keras (KERAS_BACKEND=tensorflow),
 # one test per `mpiexec -n N python -m pytest` job under a timeout, as the workspace's
 # shared/tools/hvd_suite.sh runs them, with two differences: each rank writes its pytest output to
 # its own file, so the ranks' lines cannot interleave (the shared runner reads both from one stream
@@ -11,25 +12,36 @@
 # Needs gradsync.torch (gradsync.tensorflow) importable by `python` on PATH, mpiexec on PATH, and
 # the horovod/horovod repository: a work tree or the bare git dir the search tool's `fetch github:horovod/horovod` gives.
 # Usage: HVD_REPO=/path/to/horovod scripts/horovod_suite.sh [pytest -k expression]
-# Environment: SUITE (torch or tensorflow, default torch), RANKS (default 2), TEST_TIMEOUT seconds
+# Environment: SUITE (torch, tensorflow, tensorflow_keras or tensorflow2_keras, default torch), RANKS (default 2), TEST_TIMEOUT seconds
 # per test (default 90), OUT (default ${TMPDIR:-/tmp}/horovod-suite): where the shim, the outputs and results.txt go.
 set -u
 HVD_REPO=${HVD_REPO:-}
 [ -n "$HVD_REPO" ] && [ -e "$HVD_REPO" ] || { echo "set HVD_REPO to a horovod/horovod repository"; exit 2; }
 SUITE=${SUITE:-torch}; RANKS=${RANKS:-2}; TEST_TIMEOUT=${TEST_TIMEOUT:-90}
+PKG=${SUITE%%_keras}; PKG=${PKG%2}  # the aliased package: torch or tensorflow
 OUT=${OUT:-${TMPDIR:-/tmp}/horovod-suite}
 show() { if [ -e "$HVD_REPO/$1" ]; then cat "$HVD_REPO/$1"; else git --git-dir="$HVD_REPO" show "HEAD:$1"; fi; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMP_NUM_THREADS=1
-rm -rf "$OUT"; mkdir -p "$OUT/shim/horovod/$SUITE" "$OUT/shim/horovod/runner/util" "$OUT/parallel" \
+rm -rf "$OUT"; mkdir -p "$OUT/shim/horovod/$PKG" "$OUT/shim/horovod/runner/util" "$OUT/parallel" \
   "$OUT/utils" "$OUT/runs"
 show "test/parallel/test_$SUITE.py" > "$OUT/parallel/test_$SUITE.py"
 [ "$SUITE" = tensorflow ] && show test/parallel/base_test_tensorflow.py > "$OUT/parallel/base_test_tensorflow.py"
 show test/utils/common.py > "$OUT/utils/common.py"
 : > "$OUT/shim/horovod/__init__.py"; : > "$OUT/shim/horovod/runner/__init__.py"
 : > "$OUT/shim/horovod/runner/util/__init__.py"
-printf 'import sys\n\nimport gradsync.%s\n\nsys.modules[__name__] = gradsync.%s\n' "$SUITE" "$SUITE" \
-  > "$OUT/shim/horovod/$SUITE/__init__.py"  # `import horovod.torch as hvd` is gradsync.torch itself, etc.
+printf 'import sys\n\nimport gradsync.%s\n\nsys.modules[__name__] = gradsync.%s\n' "$PKG" "$PKG" \
+  > "$OUT/shim/horovod/$PKG/__init__.py"  # `import horovod.torch as hvd` is gradsync.torch itself, etc.
+if [ "$PKG" != "$SUITE" ]; then  # the Keras suites: horovod.tensorflow.keras and horovod.keras are gradsync.keras
+  export KERAS_BACKEND=tensorflow
+  mkdir -p "$OUT/shim/horovod/keras" "$OUT/shim/horovod/common"
+  printf 'import gradsync.keras\n\ngradsync.tensorflow.keras = gradsync.keras\nsys.modules[__name__ + ".keras"] = gradsync.keras\n' \
+    >> "$OUT/shim/horovod/tensorflow/__init__.py"
+  printf 'import sys\n\nimport gradsync.keras\n\nsys.modules[__name__] = gradsync.keras\n' > "$OUT/shim/horovod/keras/__init__.py"
+  : > "$OUT/shim/horovod/common/__init__.py"
+  printf 'from packaging import version\n\n\ndef is_version_greater_equal_than(ver, target):\n    return version.parse(ver) >= version.parse(target)\n' \
+    > "$OUT/shim/horovod/common/util.py"
+fi
 cat > "$OUT/shim/horovod/runner/util/threads.py" <<'PY'
 import threading
 
@@ -39,7 +51,7 @@ def in_thread(target, args=(), name=None, daemon=True, silent=False):
     thread.start()
     return thread
 PY
-python -m pip install -q mock cloudpickle packaging >/dev/null 2>&1
+python -m pip install -q mock cloudpickle packaging parameterized >/dev/null 2>&1
 export PYTHONPATH="$OUT/shim:${PYTHONPATH:-}"
 cd "$OUT/parallel" || exit 2
 export TF_CPP_MIN_LOG_LEVEL=3

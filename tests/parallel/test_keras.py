@@ -186,3 +186,89 @@ def test_fp16_compression_trains_as_the_reference_to_half_precision(case):
     # each rank's gradient rounded to float16 (relative 2**-11) before the average: LR * |g| * 1e-3
     difference = np.abs(flat(model.get_weights()) - flat(reference_weights(steps, B, LR)))
     assert 1e-6 < difference.max() < 2e-3  # rounded (so it was compressed), but only that much
+
+
+def test_gradient_predivide_factor_trains_as_the_plain_average(case):
+    steps = 2
+    x, y = rank_data(gradsync.rank(), steps * B)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), gradient_predivide_factor=4.0,
+                                                     sparse_as_dense=True, num_groups=2), loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_on_every_rank(model.get_weights(), case)
+    np.testing.assert_allclose(flat(model.get_weights()), flat(reference_weights(steps, B, LR)), atol=1e-5)
+    with pytest.raises(ValueError, match="gradient_predivide_factor=4.0 needs op=Average"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(LR), gradient_predivide_factor=4.0, op=hvd.Sum)
+
+
+def test_broadcast_callback_leaves_local_variables_alone(rank):
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # rate 0: the weights stay as set
+    for variable in model.variables:
+        variable.assign(np.full(variable.shape, rank + 1.0, "float32"))
+    local = list(model.layers[0].variables)
+    root = gradsync.size() - 1
+    x, y = rank_data(rank, B)
+    model.fit(x, y, batch_size=B, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(root, local_variables=local)])
+    for variable in model.variables:
+        expected = rank + 1.0 if any(variable is v for v in local) else root + 1.0
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), np.full(variable.shape, expected))
+
+
+def test_value_collectives_against_numpy(rank, size):
+    value = np.arange(6, dtype="float32").reshape(3, 2) * (rank + 1)
+    ranks_sum = size * (size + 1) / 2
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(hvd.allreduce(value, name="keras.ar")),
+                               value / (rank + 1) * ranks_sum / size)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(hvd.allreduce(value, name="keras.ar_sum", average=False)),
+                               value / (rank + 1) * ranks_sum)
+    gathered = keras.ops.convert_to_numpy(hvd.allgather(value[: rank + 1], name="keras.ag"))
+    np.testing.assert_array_equal(gathered, np.concatenate([value[: r + 1] / (rank + 1) * (r + 1)
+                                                            for r in range(size)]))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(hvd.broadcast(value, size - 1, name="keras.bc")),
+                                  value / (rank + 1) * size)
+    rows = np.arange(size * 2, dtype="float32").reshape(size, 2)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(hvd.reducescatter(rows * (rank + 1), name="keras.rs")),
+                               rows[rank: rank + 1] * ranks_sum / size)
+    assert float(keras.ops.convert_to_numpy(hvd.allreduce(3.0, name="keras.scalar", op=hvd.Sum))) == 3.0 * size
+
+
+@pytest.mark.parametrize("sparse_as_dense", [True, False])
+def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense):
+    def embedding_model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 2),
+                                 keras.layers.Flatten(), keras.layers.Dense(2)])
+
+    ids = [np.random.default_rng(r).integers(0, 10, (B, 3)).astype("int32") for r in range(gradsync.size())]
+    targets = [np.random.default_rng(50 + r).normal(size=(B, 2)).astype("float32") for r in range(gradsync.size())]
+    model = embedding_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), sparse_as_dense=sparse_as_dense),
+                  loss="mse")
+    model.fit(ids[gradsync.rank()], targets[gradsync.rank()], batch_size=B, verbose=0, shuffle=False)
+    reference = embedding_model()
+    reference.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    reference.fit(np.concatenate(ids), np.concatenate(targets), batch_size=B * gradsync.size(), verbose=0)
+    assert_same_on_every_rank(model.get_weights(), case)
+    np.testing.assert_allclose(flat(model.get_weights()), flat(reference.get_weights()), atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_partial_distributed_optimizer_keeps_local_layers_gradients_local(case, rank, size, scale):
+    x, y = rank_data(rank, B)
+    model = make_model()
+    optimizer = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(LR), local_layers=model.layers[0],
+                                                scale_local_gradients=scale)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    # layer 1: averaged as by DistributedOptimizer; layer 0: this rank's own SGD step, its gradient
+    # divided by the size when scale_local_gradients
+    averaged = flat(reference_weights(1, B, LR)[2:])
+    alone = make_model()
+    alone.compile(optimizer=keras.optimizers.SGD(LR / size if scale else LR), loss="mse")
+    alone.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(flat(model.get_weights()[2:]), averaged, atol=1e-5)
+    np.testing.assert_allclose(flat(model.get_weights()[:2]), flat(alone.get_weights()[:2]), atol=1e-6)
+    if size > 1:
+        assert not np.allclose(flat(model.get_weights()[:2]), flat(reference_weights(1, B, LR)[:2]), atol=1e-6)

@@ -36,11 +36,13 @@ from .. import (
     size,
 )
 from . import callbacks
-from .optimizer import DistributedOptimizer, broadcast_variables, load_model
+from .collectives import allgather, allreduce, broadcast, reducescatter
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, broadcast_variables, load_model
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Compression", "DistributedOptimizer", "broadcast_variables", "load_model",
-    "callbacks",
+    "Average", "Sum", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "broadcast_variables", "load_model",
+    "callbacks", "allreduce", "allgather", "broadcast", "reducescatter",
 ]

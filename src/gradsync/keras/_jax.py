@@ -16,3 +16,8 @@ from ..protocol import ReduceOp
 def grouped_allreduce(grads: list[Any], name: str, op: ReduceOp, process_set: ProcessSet) -> list[Any]:
     """Reduce ``grads`` (jax arrays, concrete or traced) as one unit; returns new arrays in order."""
     return list(_grouped_allreduce(list(grads), name=name, op=op, process_set=process_set))
+
+
+def densify(grads: list[Any]) -> list[Any]:
+    """``grads`` as they are: this backend's gradients are always dense."""
+    return list(grads)

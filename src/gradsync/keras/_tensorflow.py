@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
+
 from ..process_sets import ProcessSet
 from ..protocol import ReduceOp
 from ..tensorflow import grouped_allreduce as _grouped_allreduce
@@ -17,3 +19,8 @@ from ..tensorflow import grouped_allreduce as _grouped_allreduce
 def grouped_allreduce(grads: list[Any], name: str, op: ReduceOp, process_set: ProcessSet) -> list[Any]:
     """Reduce ``grads`` (tf.Tensors, eager or symbolic) as one unit; returns new tensors in order."""
     return list(_grouped_allreduce(list(grads), op=op, process_set=process_set, name=name))
+
+
+def densify(grads: list[Any]) -> list[Any]:
+    """``grads`` with each ``tf.IndexedSlices`` (an embedding's gradient) made a dense tensor."""
+    return [tf.convert_to_tensor(g) for g in grads]

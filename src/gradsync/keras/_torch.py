@@ -16,3 +16,8 @@ from ..torch import grouped_allreduce as _grouped_allreduce
 def grouped_allreduce(grads: list[Any], name: str, op: ReduceOp, process_set: ProcessSet) -> list[Any]:
     """Reduce ``grads`` (torch tensors) as one unit; returns new tensors in order."""
     return _grouped_allreduce(list(grads), name=name, op=op, process_set=process_set)
+
+
+def densify(grads: list[Any]) -> list[Any]:
+    """``grads`` as they are: this backend's gradients are always dense."""
+    return list(grads)

@@ -16,20 +16,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Runs in ``on_train_begin``, after Keras built the model and the optimizer, so training starts
     from identical weights and optimizer state everywhere (Horovod broadcasts after the first
-    batch instead; the result is the same from then on). ``device`` is Horovod's and unused:
+    batch instead; the result is the same from then on). The variables in ``local_variables``
+    (Keras variables of the model or the optimizer) keep each rank's own value; every rank must
+    pass the same number of them from the same places. ``device`` is Horovod's and unused:
     gradsync moves host copies.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: list | None = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.device = device
+        self.local_variables = list(local_variables or [])
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        broadcast_variables(self.model.variables, self.root_rank, name="BroadcastGlobalVariables.model")
+        local = {id(v) for v in self.local_variables}
+        shared = [v for v in self.model.variables if id(v) not in local]
+        broadcast_variables(shared, self.root_rank, name="BroadcastGlobalVariables.model")
         if self.model.optimizer is not None:
-            broadcast_variables(self.model.optimizer.variables, self.root_rank,
-                                name="BroadcastGlobalVariables.optimizer")
+            broadcast_variables([v for v in self.model.optimizer.variables if id(v) not in local],
+                                self.root_rank, name="BroadcastGlobalVariables.optimizer")
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

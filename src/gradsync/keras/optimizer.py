@@ -68,6 +68,8 @@ class _Settings:
     passes: int  # backward passes per step (Keras's gradient_accumulation_steps)
     average_aggregated: bool
     process_set: ProcessSet
+    sparse_as_dense: bool = False
+    predivide: float = 1.0  # gradient_predivide_factor: scale 1/f before the sum, f after
 
 
 class _Distributed:
@@ -82,7 +84,8 @@ class _Distributed:
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
-        present = [i for i, g in enumerate(grads) if g is not None]
+        local = getattr(self, "_gradsync_local", frozenset())
+        present = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in local]
         if present:
             given = [grads[i] for i in present]
             if self._gradsync.passes > 1:
@@ -91,14 +94,28 @@ class _Distributed:
                 reduced = self._reduce(given)
             for i, g in zip(present, reduced):
                 grads[i] = g
+        if local and getattr(self, "_gradsync_scale_local", True):  # Horovod's: divided by the size
+            size = float(self._gradsync.process_set.size())
+            grads = [g / size if g is not None and id(v) in local else g for g, v in zip(grads, variables)]
         return super().apply(grads, trainable_variables)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: not reduced, divided by the size of the process set
+        (unless ``scale_local_gradients=False``), as Horovod's ``register_local_var``. Every rank
+        must register the same variables (which gradients are reduced must agree across ranks)."""
+        self._gradsync_local = getattr(self, "_gradsync_local", frozenset()) | {id(var)}
 
     def _reduce(self, grads: list[Any]) -> list[Any]:
         settings = self._gradsync
-        compressed, contexts = zip(*[settings.compression.compress(g) for g in grads])
+        f = settings.predivide
+        if settings.sparse_as_dense:
+            grads = backend_ops().densify(grads)
+        compressed, contexts = zip(*[settings.compression.compress(g if f == 1 else g * (1 / f))
+                                     for g in grads])
         reduced = backend_ops().grouped_allreduce(list(compressed), f"{settings.name}.gradients",
                                                   settings.op, settings.process_set)
-        return [settings.compression.decompress(g, c) for g, c in zip(reduced, contexts)]
+        out = [settings.compression.decompress(g, c) for g, c in zip(reduced, contexts)]
+        return out if f == 1 else [g * f for g in out]
 
     def _reduce_every_kth(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         """With Keras's gradient accumulation over k passes, communicate on the k-th pass only.
@@ -126,8 +143,11 @@ def _distributed_class(base: type, settings: _Settings) -> type:
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
-                         compression: Compressor = Compression.none, op: ReduceOp = ReduceOp.Average,
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: Compressor = Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.Average,
                          backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None,
                          process_set: ProcessSet = global_process_set) -> Any:
     """A Keras 3 optimizer that averages the gradients across ranks before every update
     (``horovod.tensorflow.keras.DistributedOptimizer`` on Keras 3, any backend).
@@ -146,10 +166,19 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
     ``gradient_accumulation_steps=k`` is treated as ``backward_passes_per_step=k`` with averaging
     (Keras's semantics).
 
+    The arguments are Horovod's, in its order. ``sparse_as_dense=True`` turns the TensorFlow
+    backend's sparse gradients (``tf.IndexedSlices``, from embeddings) into dense tensors that join
+    the grouped allreduce; without it they are allgathered, as Horovod does (the other backends'
+    gradients are dense). ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are
+    accepted and change nothing: gradsync moves host copies and fuses all gradients of a step as
+    one grouped allreduce (Horovod's groups only split its fusion; the result is the same).
+
     Args:
         optimizer: a Keras 3 optimizer, not yet built (its variables are not copied: wrap it
             before ``compile``).
         name: the collectives' name prefix (default ``"Distributed<Class>"``); the same on every rank.
+        gradient_predivide_factor: f: gradients are scaled by 1/f before the sum and f/size after
+            it (Horovod's split of the averaging; needs ``op=Average``).
         compression: :class:`gradsync.Compression` ``none`` (default), ``fp16`` or ``bf16``, or any
             :class:`gradsync.Compressor` working on the backend's tensors.
         op: ``Average`` (default) or ``Sum``.
@@ -162,17 +191,53 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
 
     Raises:
         ValueError: ``backward_passes_per_step`` < 1, or > 1 on an optimizer that already has a
-            different ``gradient_accumulation_steps``.
+            different ``gradient_accumulation_steps``; ``gradient_predivide_factor`` != 1 with an
+            ``op`` other than Average.
         NotImplementedError (when training): a Keras backend without a gradsync adapter.
     """
+    if gradient_predivide_factor != 1.0 and ReduceOp(op) != ReduceOp.Average:
+        raise ValueError(f"gradsync: rank {runtime.get().rank}: DistributedOptimizer: "
+                         f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average, "
+                         f"not {op!r}")
     config = optimizer.get_config()
     passes, average = _passes(config, backward_passes_per_step, average_aggregated_gradients)
     base = type(optimizer)
     while issubclass(base, _Distributed):  # wrapping twice would average twice
         base = base.__mro__[2]
     settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
-                         passes, average, process_set)
+                         passes, average, process_set, sparse_as_dense, float(gradient_predivide_factor))
     return _distributed_class(base, settings).from_config(config)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: Compressor = Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups: Any = None, process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None, scale_local_gradients: bool = True) -> Any:
+    """:func:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of them) keep
+    their gradients local (``horovod.keras.PartialDistributedOptimizer``): not reduced, and
+    divided by the size of ``process_set`` unless ``scale_local_gradients=False`` (Horovod's rule).
+    The other arguments are DistributedOptimizer's. Every rank must name the same layers.
+
+    Raises:
+        ValueError: an element of ``local_layers`` is not a ``keras.layers.Layer``; the errors of
+            :func:`DistributedOptimizer`.
+    """
+    layers = [] if local_layers is None else (
+        [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers))
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError(f"gradsync: rank {runtime.get().rank}: PartialDistributedOptimizer: local_layers "
+                         f"must be Keras layers, got {[type(layer).__name__ for layer in layers]}")
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, backward_passes_per_step,
+                                   average_aggregated_gradients, 0, groups, process_set)
+    wrapped._gradsync_scale_local = scale_local_gradients
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            wrapped.register_local_var(variable)
+    return wrapped
 
 
 def _passes(config: dict, backward_passes_per_step: int, average: bool) -> tuple[int, bool]:
@@ -213,17 +278,22 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadca
 
 def load_model(filepath: str, custom_optimizers: list[type] | None = None,
                custom_objects: dict[str, Any] | None = None, compression: Compressor = Compression.none,
-               **kwargs: Any) -> Any:
+               legacy_opts: bool = False, **kwargs: Any) -> Any:
     """Load a model saved with a DistributedOptimizer, its optimizer wrapped again
     (``horovod.tensorflow.keras.load_model``).
 
     Every optimizer class of ``keras.optimizers`` and of ``custom_optimizers`` is mapped, by class
     name, to its distributed subclass (with ``compression``, other settings at their defaults);
-    ``custom_objects`` and ``kwargs`` go to ``keras.models.load_model``.
+    ``custom_objects`` and ``kwargs`` go to ``keras.models.load_model``. ``legacy_opts`` (Horovod's
+    switch to ``tf.keras.optimizers.legacy``) must be False: Keras 3 has no legacy optimizers.
 
     Raises:
+        ValueError: ``legacy_opts=True``.
         The errors of ``keras.models.load_model`` (a missing file, an unknown class).
     """
+    if legacy_opts:
+        raise ValueError(f"gradsync: rank {runtime.get().rank}: load_model(legacy_opts=True): Keras 3 has "
+                         "no legacy optimizers (keras.optimizers.legacy)")
     classes = [c for c in vars(keras.optimizers).values()
                if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
     wrapped = {}
