@@ -3,6 +3,7 @@ VARIANTS): model.fit with DistributedOptimizer against single-process fit on the
 batch, weights identical on every rank, the callbacks against their formulas, load_model."""
 
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -272,3 +273,67 @@ def test_partial_distributed_optimizer_keeps_local_layers_gradients_local(case, 
     np.testing.assert_allclose(flat(model.get_weights()[:2]), flat(alone.get_weights()[:2]), atol=1e-6)
     if size > 1:
         assert not np.allclose(flat(model.get_weights()[:2]), flat(reference_weights(1, B, LR)[:2]), atol=1e-6)
+
+
+def _set_all(model, value):
+    for variable in model.variables:
+        variable.assign(np.full(variable.shape, value, "float32"))
+
+
+def test_keras_state_syncs_restores_and_commits_as_horovods(rank):
+    # Horovod's test_elastic_state (test_tensorflow2_keras.py), on any backend.
+    model, other = make_model(), make_model()
+    _set_all(model, rank + 1.0)
+    _set_all(other, 7.0)
+    state = hvd.elastic.KerasState(model, keras.optimizers.Adam(0.001), batch=20 + rank, epoch=10 + rank)
+    state.sync()
+    for weight in model.get_weights():
+        np.testing.assert_array_equal(weight, np.ones_like(weight))  # rank 0's
+    assert (state.batch, state.epoch) == (20, 10)
+    synced = model.get_weights()
+    model.set_weights(other.get_weights())
+    state.batch, state.epoch = 21, 11
+    state.restore()
+    for weight, expected in zip(model.get_weights(), synced):
+        np.testing.assert_array_equal(weight, expected)
+    assert (state.batch, state.epoch) == (20, 10)
+    model.set_weights(other.get_weights())
+    state.batch, state.epoch = 21, 11
+    state.commit()
+    state.restore()
+    for weight, expected in zip(model.get_weights(), other.get_weights()):
+        np.testing.assert_array_equal(weight, expected)
+    assert (state.batch, state.epoch) == (21, 11)
+
+
+def test_keras_state_commit_resumes_model_optimizer_and_counters_exactly(case, rank, tmp_path_factory,
+                                                                          monkeypatch):
+    # What a restarted job's rank 0 reads back: the committed weights, Adam's slots and counters.
+    directory = gradsync.broadcast_object(str(tmp_path_factory.mktemp("elastic")) if rank == 0 else None,
+                                          root_rank=0, name=f"{case}.dir")
+    monkeypatch.setenv("GRADSYNC_ELASTIC_STATE_DIR", directory)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    x, y = rank_data(rank, 3 * B)
+    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                         hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])  # Horovod's order
+    assert (state.batch, state.epoch) == (0, 2)
+    committed = [model.get_weights(), [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]]
+    fresh = make_model()
+    fresh.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    resumed = hvd.elastic.KerasState(fresh, batch=-1, epoch=-1)
+    resumed.resume(pathlib.Path(directory))  # what hvd.elastic.run does first in a restarted job
+    assert (resumed.batch, resumed.epoch) == (0, 2)
+    for weight, expected in zip(fresh.get_weights(), committed[0]):
+        np.testing.assert_array_equal(weight, expected)
+    optimizer = [keras.ops.convert_to_numpy(v) for v in fresh.optimizer.variables]
+    assert len(optimizer) == len(committed[1]) and len(optimizer) > 2  # iterations, rate, Adam's slots
+    for value, expected in zip(optimizer, committed[1]):
+        np.testing.assert_array_equal(value, expected)
+
+
+def test_keras_state_refuses_a_model_without_variables():
+    with pytest.raises(ValueError, match="has no variables yet"):
+        hvd.elastic.KerasState(keras.Sequential([keras.layers.Dense(2)]))

@@ -35,7 +35,7 @@ from .. import (
     shutdown,
     size,
 )
-from . import callbacks
+from . import callbacks, elastic
 from .collectives import allgather, allreduce, broadcast, reducescatter
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, broadcast_variables, load_model
 
