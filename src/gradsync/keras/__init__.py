@@ -44,5 +44,5 @@ __all__ = [
     "cross_size", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
     "broadcast_variables", "load_model",
-    "callbacks", "allreduce", "allgather", "broadcast", "reducescatter",
+    "callbacks", "elastic", "allreduce", "allgather", "broadcast", "reducescatter",
 ]
