@@ -288,8 +288,8 @@ def load_model(filepath: str, custom_optimizers: list[type] | None = None,
     switch to ``tf.keras.optimizers.legacy``) must be False: Keras 3 has no legacy optimizers.
 
     Raises:
-        ValueError: ``legacy_opts=True``.
-        The errors of ``keras.models.load_model`` (a missing file, an unknown class).
+        ValueError: ``legacy_opts=True``; and what ``keras.models.load_model`` raises (a missing
+            file, an unknown class).
     """
     if legacy_opts:
         raise ValueError(f"gradsync: rank {runtime.get().rank}: load_model(legacy_opts=True): Keras 3 has "
