@@ -22,8 +22,7 @@ import sys
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import load_split
 from torch import nn
 from tqdm import tqdm
 
@@ -76,13 +75,8 @@ def progress_bar(total: int, rank: int, disable: bool) -> tqdm:
 
 
 def load_data() -> tuple[torch.Tensor, ...]:
-    """The same train/test split on every rank: 1347 training and 450 test images of 8x8 pixels."""
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
-                                           stratify=digits.target)
-    return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+    """The same train/test split on every rank (digits.py), as torch tensors."""
+    return tuple(torch.from_numpy(a) for a in load_split(np.int64))
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

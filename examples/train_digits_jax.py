@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import load_split
 
 import gradsync
 import gradsync.jax
@@ -42,15 +41,6 @@ def parse_args() -> argparse.Namespace:
                              "jitted step; host: gradients in jit, the update outside it")
     return parser.parse_args()
 
-
-def load_data() -> tuple[np.ndarray, ...]:
-    """The same train/test split on every rank: 1347 training and 450 test images of 8x8 pixels."""
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int32)
-    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
-                                           stratify=digits.target)
-    return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
 
 
 def init_params(key: jax.Array, features: int = 64) -> dict:
@@ -118,7 +108,7 @@ def main() -> None:
     args = parse_args()
     gradsync.init()  # gradsync: start the background coordinator
     rank, size = gradsync.rank(), gradsync.size()
-    x_train, y_train, x_test, y_test = load_data()
+    x_train, y_train, x_test, y_test = load_split(np.int32)  # the same split on every rank (digits.py)
 
     params = init_params(jax.random.key(args.seed))
     # gradsync: every rank starts from rank 0's weights (here they agree already: same seed).

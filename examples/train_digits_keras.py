@@ -19,8 +19,7 @@ import argparse
 import os
 
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import load_split
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 import keras  # noqa: E402  (after KERAS_BACKEND)
@@ -40,15 +39,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def load_data() -> tuple[np.ndarray, ...]:
-    """The same train/test split on every rank: 1347 training and 450 test images of 8x8 pixels."""
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int32)
-    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
-                                           stratify=digits.target)
-    return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
-
 
 def main() -> None:
     args = parse_args()
@@ -58,7 +48,7 @@ def main() -> None:
 
         torch.set_num_threads(1)  # one core per rank
     keras.utils.set_random_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_data()
+    x_train, y_train, x_test, y_test = load_split(np.int32)  # the same split on every rank (digits.py)
     # gradsync: each rank its shard, the same number of steps on every rank
     steps = len(x_train) // (args.batch_size * hvd.size())
     shard = np.arange(hvd.rank(), steps * args.batch_size * hvd.size(), hvd.size())

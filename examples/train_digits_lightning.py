@@ -22,8 +22,7 @@ import lightning as L
 import numpy as np
 import torch
 import torchmetrics
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import load_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,15 +77,11 @@ class Digits(L.LightningModule):
 
 
 def loaders(batch_size: int) -> tuple[DataLoader, DataLoader]:
-    """The same split on every rank: 1347 training and 450 test images of 8x8 pixels. Lightning
-    gives each rank its share (a DistributedSampler) under the gradsync strategy."""
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    train, test = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
-                                   stratify=digits.target)
-    return (DataLoader(TensorDataset(x[train], y[train]), batch_size=batch_size, shuffle=True),
-            DataLoader(TensorDataset(x[test], y[test]), batch_size=256))
+    """The same split on every rank (digits.py). Lightning gives each rank its share (a
+    DistributedSampler) under the gradsync strategy."""
+    x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_split(np.int64))
+    return (DataLoader(TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True),
+            DataLoader(TensorDataset(x_test, y_test), batch_size=256))
 
 
 def main() -> None:

@@ -22,8 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is impor
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
+from digits import load_split  # noqa: E402
 
 import gradsync.tensorflow as hvd  # noqa: E402  gradsync: horovod.tensorflow's API
 from gradsync.metrics import Metric  # noqa: E402
@@ -40,15 +39,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
-
-def load_data() -> tuple[np.ndarray, ...]:
-    """The same train/test split on every rank: 1347 training and 450 test images of 8x8 pixels."""
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int32)
-    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
-                                           stratify=digits.target)
-    return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
 
 
 def init_variables(seed: int, features: int = 64) -> list[tf.Variable]:
@@ -103,7 +93,7 @@ def main() -> None:
     hvd.init()  # gradsync: start the background coordinator
     rank, size = hvd.rank(), hvd.size()
     tf.config.threading.set_intra_op_parallelism_threads(1)  # one process per core
-    x_train, y_train, x_test, y_test = load_data()
+    x_train, y_train, x_test, y_test = load_split(np.int32)  # the same split on every rank (digits.py)
 
     variables = init_variables(args.seed + rank)  # each rank draws its own weights...
     # gradsync: ...and every rank starts from rank 0's.
