@@ -198,6 +198,17 @@ def test_tf1_graph_runs_independent_collectives_in_creation_order(rank, size, ca
         close(result, reference_allreduce(everyone, Sum) if i < 16 else np.concatenate(everyone))
 
 
+def test_tf1_graph_broadcast_gradient_runs_the_allreduce_on_every_rank(rank, size):
+    # off the root the gradient is zeros: the allreduce behind it must still run there
+    with tf.Graph().as_default() as graph:
+        x = tf.constant(np.full(5, rank + 1.0, np.float32))
+        grads = [tf.gradients(hvd.broadcast(x, root), x, tf.ones([5]))[0] for root in range(size)]
+        with tf.compat.v1.Session(graph=graph) as session:
+            results = session.run(grads)
+    for root, result in enumerate(results):
+        assert_array(result, np.full(5, float(rank == root), np.float32))
+
+
 def truncated(array, factor):
     return (array.astype(np.float64) * factor).astype(array.dtype)
 

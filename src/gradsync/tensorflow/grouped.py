@@ -19,6 +19,7 @@ from .. import ops
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression
 from .host_op import call_on_host, moved, restored
+from .mpi_ops import _normalize_name as _normalize
 from .mpi_ops import (
     allgather_grad,
     collective_name,
@@ -134,9 +135,14 @@ def _assign_broadcast(variables: list[Any], root_rank: int, prefix: str,
     if not values:
         return []
 
+    # In a graph, variable names are unique and the same on every rank: each variable keeps one
+    # collective name however many broadcasts a graph holds; eagerly they repeat, so by position.
+    names = [f"{prefix}.{i}" if tf.executing_eagerly() else f"{prefix}.{_normalize(v.name)}"
+             for i, v in enumerate(variables)]
+
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
-        handles = [ops.broadcast_async(moved(a), root_rank, f"{prefix}.{i}", process_set)
-                   for i, a in enumerate(arrays)]
+        handles = [ops.broadcast_async(moved(a), root_rank, name, process_set)
+                   for name, a in zip(names, arrays)]
         return [restored(handle.wait(), a) for handle, a in zip(handles, arrays)]
 
     results = call_on_host("broadcast", on_host, values, [v.dtype for v in values],

@@ -340,7 +340,10 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     def send(x):
         def grad(dy):
             averaged = _allreduce(dy, _grad_name(name), Average, 1.0, 1.0, process_set)
-            return averaged if process_set.rank() == root_rank else tf.zeros_like(averaged)
+            if process_set.rank() == root_rank:
+                return averaged
+            with tf.control_dependencies([averaged]):  # a TF1 graph would prune the allreduce
+                return tf.zeros_like(averaged)        # here and stall the root's
         return run(x), grad
 
     return send(tensor)
