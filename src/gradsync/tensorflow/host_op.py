@@ -1,23 +1,28 @@
 """One gradsync collective as one TensorFlow op: a stateful ``tf.numpy_function`` that hands the
 tensors' host (numpy) values to the core, waits for the result and hands it back.
 
-**Order in a TF1 graph.** A ``numpy_function`` holds one of the session's inter-op threads while it
-waits for the other ranks. Inside a ``tf.function`` TensorFlow's automatic control dependencies run
-stateful ops in program order; in a plain ``tf.compat.v1`` graph run by ``Session.run`` nothing
-orders them, so independent collectives start in any order, each rank's threads end up waiting on
-collectives the other ranks have not started, and the job stalls (Horovod's asynchronous kernels
-hold no thread). So in a graph that is not a function graph, each collective op is built with a
-control dependency on the previous gradsync collective of that graph: they run in creation order,
-which is the same on every rank (the same program builds the same graph). The price is Session
-semantics: running a collective also runs the collectives built before it in that graph, as
-``Session.run`` runs any op's control inputs, on every rank alike.
+**Order in a TF1 graph.** A ``numpy_function`` that waits for the other ranks holds one of the
+session's inter-op threads. Inside a ``tf.function`` TensorFlow's automatic control dependencies run
+stateful ops in program order, so the collectives start in the same order on every rank. In a plain
+``tf.compat.v1`` graph run by ``Session.run`` nothing orders them: independent collectives would
+start in any order, each rank's threads would end up waiting on collectives the other ranks have
+not started, and the job would stall (Horovod's asynchronous kernels hold no thread). So in a TF1
+graph each collective is two ops: a *start* op that runs the collective in a thread of its own
+and returns at once, built with a control dependency on the previous collective's start op of that
+graph, and a *wait* op, the outputs, that waits for that thread. The start ops run in creation
+order, the same on every rank (the same program builds the same graph), and never block, so every
+rank starts the collectives a wait op needs. The price is Session semantics: running a collective
+also starts the collectives built before it in that graph (a control input always runs), on every
+rank alike; nobody waits for those, they finish in their threads. A graph built once and run step
+after step (a TF1 training loop) runs what it would run anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,26 +34,80 @@ from ..protocol import ReduceOp
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
-#: The last gradsync collective op built in each TF1 graph (not function graphs): the next one is
-#: chained after it.
-_LAST_COLLECTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The start op of the last gradsync collective built in each TF1 graph (not function graphs): the
+#: next one is chained after it.
+_LAST_STARTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@contextlib.contextmanager
-def _in_creation_order() -> Iterator[Callable[[tf.Operation], None]]:
-    """Build an op after the previous collective of the current TF1 graph (module docstring);
-    yields the function that records the new op as the last one. Eagerly and in a
-    ``tf.function`` it adds nothing (automatic control dependencies order stateful ops there)."""
+class _Started:
+    """A collective's host function running in a thread of its own (module docstring)."""
+
+    def __init__(self, host: Callable[..., list[np.ndarray]], arrays: tuple[Any, ...]) -> None:
+        self._done = threading.Event()
+        self._value: list[np.ndarray] | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(host, arrays), daemon=True,
+                         name="gradsync-tf1-collective").start()
+
+    def _run(self, host: Callable[..., list[np.ndarray]], arrays: tuple[Any, ...]) -> None:
+        try:
+            self._value = host(*arrays)
+        except BaseException as exc:  # handed to the waiting op
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> list[np.ndarray]:
+        """The host function's results (raises its exception)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _tf1_graph() -> tf.Graph | None:
+    """The default graph if ops are being built into a TF1 graph (not eagerly, not a tf.function)."""
     if tf.executing_eagerly():
-        yield lambda op: None
-        return
+        return None
     graph = tf.compat.v1.get_default_graph()
-    if graph.building_function:
-        yield lambda op: None
-        return
-    previous = _LAST_COLLECTIVE.get(graph)
+    return None if graph.building_function else graph
+
+
+#: How many unnamed collectives each TF1 graph has: the next one's number.
+_UNNAMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tf1_graph_number() -> int | None:
+    """In a TF1 graph, the creation number of the next unnamed collective of that graph (the same
+    on every rank), which makes its name unique there: its start op may run while others are in
+    flight. None eagerly and in a tf.function (where collectives run one after another)."""
+    graph = _tf1_graph()
+    if graph is None:
+        return None
+    number = _UNNAMED.get(graph, 0)
+    _UNNAMED[graph] = number + 1
+    return number
+
+
+def _started_then_waited(graph: tf.Graph, host: Callable[..., list[np.ndarray]],
+                         inputs: list[tf.Tensor], dtypes: list[tf.DType], name: str) -> list[tf.Tensor]:
+    """The TF1 graph form of a collective op (module docstring): a start op, chained after the
+    previous collective's start op of ``graph``, runs ``host`` in a thread and returns at once; the
+    wait op (the outputs) waits for it."""
+    started: list[_Started | None] = [None]
+
+    def start(*arrays: Any) -> np.ndarray:
+        if started[0] is not None:  # this op's collective of an earlier run: every rank started
+            with contextlib.suppress(BaseException):  # it, so it finishes; its name is free again
+                started[0].result()
+        started[0] = _Started(host, arrays)
+        return np.int64(0)
+
+    previous = _LAST_STARTED.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        yield lambda op: _LAST_COLLECTIVE.__setitem__(graph, op)
+        token = tf.numpy_function(start, inputs, tf.int64, stateful=True, name=f"{name}Start")
+    _LAST_STARTED[graph] = token.op
+    return tf.numpy_function(lambda _: started[0].result(), [token], dtypes, stateful=True, name=name)
 
 
 def _failed_precondition(message: tf.Tensor) -> tf.Operation:
@@ -99,13 +158,15 @@ def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Se
             raise ValueError(str(exc)) from exc
         return results if eager else results + [np.asarray(b"")]
 
-    with _in_creation_order() as record:
-        outputs = tf.numpy_function(host, list(inputs), list(dtypes) + ([] if eager else [tf.string]),
-                                    stateful=True, name=f"Gradsync{kind.title().replace('_', '')}")
+    name, out_dtypes, graph = f"Gradsync{kind.title().replace('_', '')}", list(dtypes), _tf1_graph()
+    if graph is not None:
+        outputs = _started_then_waited(graph, host, list(inputs), out_dtypes + [tf.string], name)
+    else:
+        outputs = tf.numpy_function(host, list(inputs), out_dtypes + ([] if eager else [tf.string]),
+                                    stateful=True, name=name)
     if not isinstance(outputs, (list, tuple)):  # one output comes back bare, eagerly
         outputs = [outputs]
     if not eager:
-        record(outputs[0].op)
         outputs = _checked(list(outputs[:-1]), outputs[-1])
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)

@@ -47,7 +47,7 @@ from .. import ops, runtime
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from .compression import Compression
-from .host_op import call_on_host, moved, restored, start_reduction
+from .host_op import call_on_host, moved, restored, start_reduction, tf1_graph_number
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -79,12 +79,14 @@ def _normalize_name(name: str) -> str:
 def collective_name(name: str | None, kind: str, tensor: tf.Tensor,
                     ignore_name_scope: bool = False) -> str | None:
     """The collective's name: ``name`` (inside the current name scope in a tf.function, unless
-    ``ignore_name_scope``); unnamed in a tf.function, ``<kind>.<input tensor name>``; unnamed
-    eagerly, None (the core numbers it)."""
+    ``ignore_name_scope``); unnamed in a tf.function, ``<kind>.<input tensor name>``, in a TF1
+    graph that plus ``.<number of the collective in the graph>``; unnamed eagerly, None (the core
+    numbers it)."""
     if tf.executing_eagerly():
         return name
     if name is None:
-        return f"{kind}.{_normalize_name(tensor.name)}"
+        number = tf1_graph_number()
+        return f"{kind}.{_normalize_name(tensor.name)}" + ("" if number is None else f".{number}")
     scope = tf.get_current_name_scope()
     return f"{_normalize_name(scope)}/{name}" if scope and not ignore_name_scope else name
 
