@@ -50,7 +50,7 @@ def _gathered(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSe
         return [results[i] for i in range(len(arrays))]
 
     return call_on_host("grouped_allgather", on_host, tensors, [t.dtype for t in tensors],
-                        [[None] + t.shape[1:] for t in tensors])
+                        [[None] + t.shape[1:] for t in tensors], name)
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
@@ -146,7 +146,7 @@ def _assign_broadcast(variables: list[Any], root_rank: int, prefix: str,
         return [restored(handle.wait(), a) for handle, a in zip(handles, arrays)]
 
     results = call_on_host("broadcast", on_host, values, [v.dtype for v in values],
-                           [v.shape for v in values])
+                           [v.shape for v in values], prefix)
     return [variable.assign(value) for variable, value in zip(variables, results)]
 
 

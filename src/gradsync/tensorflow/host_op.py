@@ -19,7 +19,6 @@ after step (a TF1 training loop) runs what it would run anyway.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,15 +41,19 @@ _LAST_STARTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class _Started:
     """A collective's host function running in a thread of its own (module docstring)."""
 
-    def __init__(self, host: Callable[..., list[np.ndarray]], arrays: tuple[Any, ...]) -> None:
+    def __init__(self, host: Callable[..., list[np.ndarray]], arrays: tuple[Any, ...],
+                 after: _Started | None) -> None:
         self._done = threading.Event()
         self._value: list[np.ndarray] | None = None
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(host, arrays), daemon=True,
+        threading.Thread(target=self._run, args=(host, arrays, after), daemon=True,
                          name="gradsync-tf1-collective").start()
 
-    def _run(self, host: Callable[..., list[np.ndarray]], arrays: tuple[Any, ...]) -> None:
+    def _run(self, host: Callable[..., list[np.ndarray]], arrays: tuple[Any, ...],
+             after: _Started | None) -> None:
         try:
+            if after is not None:  # the collective of the same name started before it, on every rank
+                after._done.wait()
             self._value = host(*arrays)
         except BaseException as exc:  # handed to the waiting op
             self._error = exc
@@ -89,18 +92,26 @@ def tf1_graph_number() -> int | None:
     return number
 
 
+#: Per TF1 graph, the last collective started under each name.
+_BY_NAME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _started_then_waited(graph: tf.Graph, host: Callable[..., list[np.ndarray]],
-                         inputs: list[tf.Tensor], dtypes: list[tf.DType], name: str) -> list[tf.Tensor]:
+                         inputs: list[tf.Tensor], dtypes: list[tf.DType], name: str,
+                         collective: str | None) -> list[tf.Tensor]:
     """The TF1 graph form of a collective op (module docstring): a start op, chained after the
-    previous collective's start op of ``graph``, runs ``host`` in a thread and returns at once; the
+    previous collective's start op of ``graph``, runs ``host`` in a thread and returns at once
+    (the thread first waits for the collective of the same name ``collective``, or this op's own
+    of an earlier run, started before it on every rank: one name is never in flight twice); the
     wait op (the outputs) waits for it."""
     started: list[_Started | None] = [None]
+    by_name = _BY_NAME.setdefault(graph, {})
 
     def start(*arrays: Any) -> np.ndarray:
-        if started[0] is not None:  # this op's collective of an earlier run: every rank started
-            with contextlib.suppress(BaseException):  # it, so it finishes; its name is free again
-                started[0].result()
-        started[0] = _Started(host, arrays)
+        previous = by_name.get(collective, started[0]) if collective is not None else started[0]
+        started[0] = _Started(host, arrays, previous)
+        if collective is not None:
+            by_name[collective] = started[0]
         return np.int64(0)
 
     previous = _LAST_STARTED.get(graph)
@@ -128,9 +139,11 @@ def _checked(outputs: list[tf.Tensor], error: tf.Tensor) -> list[tf.Tensor]:
 
 
 def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
-                 dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
+                 dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape],
+                 name: str | None = None) -> list[tf.Tensor]:
     """One stateful ``tf.numpy_function`` running ``on_host`` (numpy inputs -> list of numpy
-    results of ``dtypes``), its outputs given the static ``shapes`` known when tracing. (A 0-d
+    results of ``dtypes``), its outputs given the static ``shapes`` known when tracing; ``name``:
+    the collective's name (in a TF1 graph, collectives of one name run one after another). (A 0-d
     input reaches a numpy_function as a numpy scalar: made a 0-d array again for the core.)
 
     Errors are Horovod's classes, eagerly, in a tf.function and in a TF1 graph: a
@@ -158,12 +171,13 @@ def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Se
             raise ValueError(str(exc)) from exc
         return results if eager else results + [np.asarray(b"")]
 
-    name, out_dtypes, graph = f"Gradsync{kind.title().replace('_', '')}", list(dtypes), _tf1_graph()
+    op_name, out_dtypes, graph = f"Gradsync{kind.title().replace('_', '')}", list(dtypes), _tf1_graph()
     if graph is not None:
-        outputs = _started_then_waited(graph, host, list(inputs), out_dtypes + [tf.string], name)
+        outputs = _started_then_waited(graph, host, list(inputs), out_dtypes + [tf.string], op_name,
+                                       name)
     else:
         outputs = tf.numpy_function(host, list(inputs), out_dtypes + ([] if eager else [tf.string]),
-                                    stateful=True, name=name)
+                                    stateful=True, name=op_name)
     if not isinstance(outputs, (list, tuple)):  # one output comes back bare, eagerly
         outputs = [outputs]
     if not eager:

@@ -125,7 +125,7 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str | None, op: ReduceOp,
 
     shapes = [[None] + t.shape[1:] if scatter else t.shape for t in tensors]
     return call_on_host("grouped_reducescatter" if scatter else "grouped_allreduce", on_host, tensors,
-                        [t.dtype for t in tensors], shapes)
+                        [t.dtype for t in tensors], shapes, name)
 
 
 def _allreduce(tensor: tf.Tensor, name: str | None, op: ReduceOp, prescale: float, postscale: float,
@@ -136,7 +136,7 @@ def _allreduce(tensor: tf.Tensor, name: str | None, op: ReduceOp, prescale: floa
                                                                         process_set),
                                [array], op, prescale, postscale)()
 
-    return call_on_host("allreduce", on_host, [tensor], [tensor.dtype], [tensor.shape])[0]
+    return call_on_host("allreduce", on_host, [tensor], [tensor.dtype], [tensor.shape], name)[0]
 
 
 def needs_rows(tensor: tf.Tensor, kind: str) -> None:
@@ -152,7 +152,8 @@ def _allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet) -> 
     def on_host(array: np.ndarray) -> list[np.ndarray]:
         return [restored(ops.allgather(moved(array), name, process_set), array)]
 
-    return call_on_host("allgather", on_host, [tensor], [tensor.dtype], [[None] + tensor.shape[1:]])[0]
+    return call_on_host("allgather", on_host, [tensor], [tensor.dtype], [[None] + tensor.shape[1:]],
+                        name)[0]
 
 
 def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
@@ -166,7 +167,7 @@ def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
 
     inputs = [tensor] if splits is None else [tensor, splits]
     return tuple(call_on_host("alltoall", on_host, inputs, [tensor.dtype, tf.int32],
-                       [[None] + tensor.shape[1:], [process_set.size()]]))
+                       [[None] + tensor.shape[1:], [process_set.size()]], name))
 
 
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
@@ -336,7 +337,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     def run(x: tf.Tensor) -> tf.Tensor:
         def on_host(array: np.ndarray) -> list[np.ndarray]:
             return [restored(ops.broadcast(moved(array), root_rank, name, process_set), array)]
-        return call_on_host("broadcast", on_host, [x], [x.dtype], [x.shape])[0]
+        return call_on_host("broadcast", on_host, [x], [x.dtype], [x.shape], name)[0]
 
     @tf.custom_gradient
     def send(x):
@@ -415,7 +416,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         def on_host(array: np.ndarray) -> list[np.ndarray]:
             return start_reduction(lambda xs, o, pre, post: ops.reducescatter_async(
                 xs[0], name, o, pre, post, process_set), [array], op, prescale_factor, postscale_factor)()
-        return call_on_host("reducescatter", on_host, [x], [x.dtype], [[None] + x.shape[1:]])[0]
+        return call_on_host("reducescatter", on_host, [x], [x.dtype], [[None] + x.shape[1:]], name)[0]
 
     @tf.custom_gradient
     def scatter(x):
