@@ -306,6 +306,8 @@ def test_indexed_slices_refuse_ops_and_factors_as_horovod(rank):
         hvd.allreduce(slices, op=hvd.Min)
     with pytest.raises(NotImplementedError, match="postscale_factor=0.5 are not supported"):
         hvd.grouped_allreduce([slices], op=hvd.Sum, postscale_factor=0.5)
+    with pytest.raises(NotImplementedError, match="not Adasum"):  # before the dense members' checks
+        hvd.grouped_allreduce([tf.ones(2, tf.int32), slices], op=hvd.Adasum)
 
 
 # ---- training -------------------------------------------------------------------------------------

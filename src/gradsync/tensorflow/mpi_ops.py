@@ -221,11 +221,9 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     return compression.decompress(reduce(compressed), context)
 
 
-def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: str | None, process_set: ProcessSet,
-                      prescale: float = 1.0, postscale: float = 1.0) -> tf.IndexedSlices:
-    """Horovod's allreduce of IndexedSlices: values and indices allgathered, values divided by the
-    set's size for Average; Sum and Average only, no scale factors (NotImplementedError, as
-    Horovod)."""
+def _check_sparse(op: ReduceOp, name: str | None, prescale: float, postscale: float) -> None:
+    """Raise Horovod's NotImplementedError for an allreduce of IndexedSlices with an op other
+    than Average and Sum, or with scale factors."""
     where = f"gradsync: rank {runtime.get().rank}: gradsync.tensorflow.allreduce of IndexedSlices {name!r}"
     if op not in (Average, Sum):
         raise NotImplementedError(f"{where} supports op=Average and Sum, not {op.name}; pass "
@@ -233,6 +231,13 @@ def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: str | None, 
     if prescale != 1.0 or postscale != 1.0:
         raise NotImplementedError(f"{where}: prescale_factor={prescale} / postscale_factor={postscale} "
                                   "are not supported with IndexedSlices; convert them to a dense tensor")
+
+
+def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: str | None, process_set: ProcessSet,
+                      prescale: float = 1.0, postscale: float = 1.0) -> tf.IndexedSlices:
+    """Horovod's allreduce of IndexedSlices: values and indices allgathered, values divided by the
+    set's size for Average; Sum and Average only, no scale factors (:func:`_check_sparse`)."""
+    _check_sparse(op, name, prescale, postscale)
     values = allgather(slices.values, None if name is None else f"{name}.values", process_set=process_set)
     indices = allgather(slices.indices, None if name is None else f"{name}.indices",
                         process_set=process_set)
@@ -261,6 +266,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     op = reduce_op(op, average, "grouped_allreduce")
     sparse = {i: t for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)}
     if sparse:  # Horovod's: each IndexedSlices allgathered, the dense ones grouped
+        for i in sparse:  # checked first, as Horovod does
+            _check_sparse(op, None if name is None else f"{name}.sparse.{i}", prescale_factor,
+                          postscale_factor)
         dense = [t for i, t in enumerate(tensors) if i not in sparse]
         reduced = iter(grouped_allreduce(dense, compression=compression, op=op, name=name,
                                          prescale_factor=prescale_factor,
