@@ -27,8 +27,17 @@ def close(result, expected):
 
 
 def run(where, fn, *args):
-    """``fn(*args)`` eagerly, or traced into a tf.function and run there."""
-    return fn(*args) if where == "eager" else tf.function(fn)(*args)
+    """``fn(*args)`` eagerly, traced into a tf.function and run there, or built into a TF1 graph
+    (the arguments as constants) and run by a Session (results as tf.Tensor again)."""
+    if where == "eager":
+        return fn(*args)
+    if where == "function":
+        return tf.function(fn)(*args)
+    with tf.Graph().as_default() as graph:
+        outputs = fn(*[tf.constant(np.asarray(a)) for a in args])
+        with tf.compat.v1.Session(graph=graph) as session:
+            results = session.run(outputs)
+    return [tf.constant(r) for r in results] if isinstance(results, list) else tf.constant(results)
 
 
 WHERE = ["eager", "function"]
@@ -170,14 +179,135 @@ def test_ops_refuse_bad_arguments_naming_the_rank(rank):
         hvd.DistributedGradientTape(object())
 
 
-@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("where", WHERE + ["graph"])
 def test_ranks_that_disagree_on_a_shape_fail_with_gradsyncs_message(where, rank, size):
     if size == 1:
         pytest.skip("one rank cannot disagree with itself")
-    # Horovod's error eagerly; TensorFlow reports any numpy_function error as UnknownError in a graph
-    error = tf.errors.FailedPreconditionError if where == "eager" else tf.errors.UnknownError
-    with pytest.raises(error, match=f"rank {rank}: allreduce 'disagreeing.{where}': ranks disagree on shape"):
+    with pytest.raises(tf.errors.FailedPreconditionError,  # Horovod's class, also in a graph
+                       match=f"rank {rank}: allreduce 'disagreeing.{where}': ranks disagree on shape"):
         run(where, lambda x: hvd.allreduce(x, name=f"disagreeing.{where}"), tf.ones((rank + 1,)))
+
+
+def test_tf1_graph_runs_independent_collectives_in_creation_order(rank, size, case):
+    # 24 collectives no data orders, on two inter-op threads: unordered, they stall (docs/tensorflow.md)
+    mine = [make(f"{case}.{i}", rank, "float32", (5,)) for i in range(24)]
+    results = run("graph", lambda *xs: [hvd.allreduce(x, op=hvd.Sum) for x in xs[:16]]
+                  + [hvd.allgather(x) for x in xs[16:]], *mine)
+    for i, result in enumerate(results):
+        everyone = all_inputs(f"{case}.{i}", "float32", (5,))
+        close(result, reference_allreduce(everyone, Sum) if i < 16 else np.concatenate(everyone))
+
+
+def test_tf1_graph_broadcast_gradient_runs_the_allreduce_on_every_rank(rank, size):
+    # off the root the gradient is zeros: the allreduce behind it must still run there
+    with tf.Graph().as_default() as graph:
+        x = tf.constant(np.full(5, rank + 1.0, np.float32))
+        grads = [tf.gradients(hvd.broadcast(x, root), x, tf.ones([5]))[0] for root in range(size)]
+        with tf.compat.v1.Session(graph=graph) as session:
+            results = session.run(grads)
+    for root, result in enumerate(results):
+        assert_array(result, np.full(5, float(rank == root), np.float32))
+
+
+def truncated(array, factor):
+    return (array.astype(np.float64) * factor).astype(array.dtype)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_integer_scale_factors_scale_in_float64_and_truncate(where, op, rank, size, case):
+    mine = tf.constant(make(case, rank, "int32", (7,)))
+    everyone = [truncated(x, 0.37) for x in all_inputs(case, "int32", (7,))]
+    result = run(where, lambda x: hvd.allreduce(x, op=getattr(hvd, op), prescale_factor=0.37,
+                                                postscale_factor=2.5), mine)
+    summed = np.sum(np.stack(everyone).astype(np.int64), axis=0).astype(np.int32)
+    close(result, truncated(summed, 2.5 / size if op == "Average" else 2.5))
+
+
+@pytest.mark.parametrize("where", WHERE + ["graph"])
+def test_grouped_allgather_gathers_every_member(where, rank, size, case):
+    specs = [("float32", (2, 3)), ("int64", (1,)), ("uint8", (3, 2)), ("float32", (4,))]
+    mine = [make(f"{case}.{i}", rank, d, (s[0] + rank,) + s[1:]) for i, (d, s) in enumerate(specs)]
+    result = run(where, lambda *xs: hvd.grouped_allgather(list(xs)), *mine)
+    for i, (dtype, shape) in enumerate(specs):
+        close(result[i], np.concatenate([make(f"{case}.{i}", r, dtype, (shape[0] + r,) + shape[1:])
+                                         for r in range(size)]))
+
+
+@pytest.mark.parametrize("where", WHERE + ["graph"])
+def test_grouped_reducescatter_gives_each_rank_its_block_of_each_member(where, rank, size, case):
+    specs = [("float32", (2 * size + 1, 2)), ("float64", (size,)), ("int32", (3 * size,))]
+    mine = [make(f"{case}.{i}", rank, d, s) for i, (d, s) in enumerate(specs)]
+    result = run(where, lambda *xs: hvd.grouped_reducescatter(list(xs), op=hvd.Sum, prescale_factor=0.5),
+                 *mine)
+    for i, (dtype, shape) in enumerate(specs):
+        everyone = all_inputs(f"{case}.{i}", dtype, shape)
+        if dtype == "int32":
+            reduced = np.sum(np.stack([truncated(x, 0.5) for x in everyone]), axis=0).astype(np.int32)
+        else:
+            reduced = reference_allreduce(everyone, Sum, 0.5)
+        close(result[i], reduced[rows_of(shape[0], rank, size)])
+
+
+def test_grouped_reducescatter_and_allgather_gradients_are_horovods(rank, size):
+    x = tf.constant(np.arange(2 * size, dtype=np.float32) + rank)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        scattered = hvd.grouped_reducescatter([x], op=hvd.Sum)[0]
+        gathered = hvd.grouped_allgather([x])[0]
+        loss_scatter = tf.reduce_sum(scattered * (rank + 1.0))
+        loss_gather = tf.reduce_sum(gathered * tf.range(2.0 * size * size))
+    # reducescatter (Sum): the allgather of every rank's (rank + 1) rows, times size
+    expected = np.repeat(np.arange(1.0, size + 1), 2) * size
+    np.testing.assert_allclose(tape.gradient(loss_scatter, x).numpy(), expected)
+    # allgather: this rank's rows of the averaged gradient (the same on every rank)
+    np.testing.assert_allclose(tape.gradient(loss_gather, x).numpy(),
+                               np.arange(2.0 * size * size)[2 * size * rank:2 * size * (rank + 1)])
+
+
+@pytest.mark.parametrize("where", ["eager", "graph"])
+def test_broadcast_inplace_assigns_and_returns_the_roots_values(where, rank, size, case):
+    root = size - 1
+    specs = [("float32", (3, 2)), ("int32", (4,))]
+    if where == "eager":
+        variables = [tf.Variable(make(f"{case}.{i}", rank, d, s)) for i, (d, s) in enumerate(specs)]
+        returned = [r.numpy() for r in hvd.broadcast_(variables, root)]
+        values = [v.numpy() for v in variables]
+    else:
+        with tf.Graph().as_default() as graph:
+            variables = [tf.compat.v1.Variable(make(f"{case}.{i}", rank, d, s)) for i, (d, s) in enumerate(specs)]
+            returned_op = hvd.broadcast_(variables, root)
+            with tf.compat.v1.Session(graph=graph) as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                returned = session.run(returned_op)
+                values = session.run(variables)
+    for i, (dtype, shape) in enumerate(specs):
+        assert_array(returned[i], make(f"{case}.{i}", root, dtype, shape))
+        assert_array(values[i], make(f"{case}.{i}", root, dtype, shape))
+
+
+def test_broadcast_global_variables_is_a_tf1_graph_op(rank, case):
+    with pytest.raises(RuntimeError, match="needs a TF1 graph"):
+        hvd.broadcast_global_variables(0)
+    with tf.Graph().as_default() as graph:
+        variables = [tf.compat.v1.Variable(make(f"{case}.{i}", rank, "float64", (i + 1,))) for i in range(3)]
+        broadcast = hvd.broadcast_global_variables(0)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(broadcast)
+            values = session.run(variables)
+    for i, value in enumerate(values):
+        assert_array(value, make(f"{case}.{i}", 0, "float64", (i + 1,)))
+
+
+def test_indexed_slices_refuse_ops_and_factors_as_horovod(rank):
+    slices = tf.IndexedSlices(tf.ones((1, 3)), tf.constant([rank]))
+    with pytest.raises(NotImplementedError, match=f"rank {rank}: .*not Min"):
+        hvd.allreduce(slices, op=hvd.Min)
+    with pytest.raises(NotImplementedError, match="postscale_factor=0.5 are not supported"):
+        hvd.grouped_allreduce([slices], op=hvd.Sum, postscale_factor=0.5)
+    with pytest.raises(NotImplementedError, match="not Adasum"):  # before the dense members' checks
+        hvd.grouped_allreduce([tf.ones(2, tf.int32), slices], op=hvd.Adasum)
 
 
 # ---- training -------------------------------------------------------------------------------------

@@ -58,7 +58,13 @@ from .gradient_tape import (
     DistributedGradientTape,
     PartialDistributedGradientTape,
     allreduce_gradients,
+)
+from .grouped import (
+    broadcast_,
+    broadcast_global_variables,
     broadcast_variables,
+    grouped_allgather,
+    grouped_reducescatter,
 )
 from .mpi_ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from .util import _executing_eagerly  # noqa: F401 - horovod.tensorflow has it (Horovod's tests use it)
@@ -72,6 +78,7 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "broadcast_variables", "allreduce_gradients",
+    "grouped_allgather", "grouped_reducescatter",
+    "broadcast_variables", "broadcast_", "broadcast_global_variables", "allreduce_gradients",
     "DistributedGradientTape", "PartialDistributedGradientTape",
 ]

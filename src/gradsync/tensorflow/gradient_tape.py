@@ -15,10 +15,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from .. import ops, runtime
+from .. import runtime
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from .compression import Compression
@@ -26,11 +25,8 @@ from .mpi_ops import (
     Average,
     Sum,
     allreduce,
-    call_on_host,
     grouped_allreduce,
-    moved,
     reduce_op,
-    restored,
 )
 
 
@@ -202,33 +198,3 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
         for variable in layer.trainable_weights:
             tape.register_local_source(variable)
     return tape
-
-
-def broadcast_variables(variables: Iterable[Any], root_rank: int,
-                        process_set: ProcessSet = global_process_set, inplace: bool = False) -> None:
-    """Assign ``root_rank``'s values to ``variables`` on every rank
-    (``horovod.tensorflow.broadcast_variables``), eagerly or in a tf.function.
-
-    Every rank passes the same variables (same order, shapes, dtypes); they are broadcast in one
-    op, variable i under the name ``broadcast_variables.<i>``, submitted together (fused), then
-    assigned. ``inplace`` is accepted for Horovod's signature.
-
-    Raises:
-        tf.errors.InvalidArgumentError: ``root_rank`` not a rank of the set (inside a
-            tf.function: ``tf.errors.UnknownError`` with gradsync's message).
-        tf.errors.FailedPreconditionError: the ranks disagree on a shape (as
-            :func:`gradsync.tensorflow.allreduce`).
-    """
-    variables = list(variables)
-    values = [tf.convert_to_tensor(v) for v in variables]
-
-    def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
-        handles = [ops.broadcast_async(moved(a), root_rank, f"broadcast_variables.{i}", process_set)
-                   for i, a in enumerate(arrays)]
-        return [restored(handle.wait(), a) for handle, a in zip(handles, arrays)]
-
-    if values:
-        results = call_on_host("broadcast", on_host, values, [v.dtype for v in values],
-                        [v.shape for v in values])
-        for variable, value in zip(variables, results):
-            variable.assign(value)

@@ -24,12 +24,12 @@ broadcast's the averaged gradient on the root and zeros elsewhere; alltoall's th
 along the received splits; reducescatter's the allgather of the gradient, times the set's size for
 ``Sum`` and times the scale factors.
 
-Differences from Horovod: integer ``Average`` is the floor of the mean (Horovod truncates toward
-zero); ranks that disagree (on a shape, a dtype) raise Horovod's
-``tf.errors.FailedPreconditionError`` eagerly and bad arguments found while the op runs
-``tf.errors.InvalidArgumentError``, but inside a tf.function TensorFlow reports any error of a
-``numpy_function`` as ``tf.errors.UnknownError`` (all ``tf.errors.OpError``, with gradsync's
-message); stalls and rank failures are gradsync's own errors eagerly;
+Differences from Horovod: integer ``Average`` without scale factors is the floor of the mean
+(Horovod truncates toward zero; with factors both scale in float64 and truncate); ranks that
+disagree (on a shape, a dtype) raise Horovod's ``tf.errors.FailedPreconditionError`` and bad
+arguments found while the op runs ``tf.errors.InvalidArgumentError``, eagerly, in a tf.function
+and in a TF1 graph (:func:`~gradsync.tensorflow.host_op.call_on_host`); stalls and rank failures
+are gradsync's own errors eagerly (``tf.errors.UnknownError`` in a graph);
 ``device_dense``/``device_sparse`` are accepted and ignored (gradsync moves host memory; a GPU
 tensor is copied through the host).
 """
@@ -37,17 +37,17 @@ tensor is copied through the host).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from .. import ops, runtime
-from ..errors import CollectiveError
 from ..process_sets import ProcessSet, global_process_set
 from ..protocol import ReduceOp
 from .compression import Compression
+from .host_op import call_on_host, moved, restored, start_reduction, tf1_graph_number
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -76,14 +76,17 @@ def _normalize_name(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_./]", "_", name)
 
 
-def _name(name: str | None, kind: str, tensor: tf.Tensor, ignore_name_scope: bool = False) -> str | None:
+def collective_name(name: str | None, kind: str, tensor: tf.Tensor,
+                    ignore_name_scope: bool = False) -> str | None:
     """The collective's name: ``name`` (inside the current name scope in a tf.function, unless
-    ``ignore_name_scope``); unnamed in a tf.function, ``<kind>.<input tensor name>``; unnamed
-    eagerly, None (the core numbers it)."""
+    ``ignore_name_scope``); unnamed in a tf.function, ``<kind>.<input tensor name>``, in a TF1
+    graph that plus ``.<number of the collective in the graph>``; unnamed eagerly, None (the core
+    numbers it)."""
     if tf.executing_eagerly():
         return name
     if name is None:
-        return f"{kind}.{_normalize_name(tensor.name)}"
+        number = tf1_graph_number()
+        return f"{kind}.{_normalize_name(tensor.name)}" + ("" if number is None else f".{number}")
     scope = tf.get_current_name_scope()
     return f"{_normalize_name(scope)}/{name}" if scope and not ignore_name_scope else name
 
@@ -92,85 +95,51 @@ def _grad_name(name: str | None) -> str | None:
     return None if name is None else f"{name}.grad"
 
 
-def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
-          dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
-    """One stateful ``tf.numpy_function`` running ``on_host`` (numpy inputs -> list of numpy
-    results of ``dtypes``), its outputs given the static ``shapes`` known when tracing. (A 0-d
-    input reaches a numpy_function as a numpy scalar: made a 0-d array again for the core.) A
-    :class:`~gradsync.CollectiveError` (ranks that disagree) is raised as Horovod's
-    ``tf.errors.FailedPreconditionError``, a TypeError or ValueError of the core (bad splits, a
-    dtype it lacks) as ``tf.errors.InvalidArgumentError``; inside a tf.function TensorFlow reports
-    both as an ``UnknownError`` with that message."""
-    def host(*arrays: Any) -> list[np.ndarray]:
-        try:
-            return on_host(*map(np.asarray, arrays))
-        except CollectiveError as exc:  # Horovod's error for ranks that disagree
-            raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
-        except (TypeError, ValueError) as exc:  # Horovod's (and a graph's) error for bad arguments
-            raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
-
-    outputs = tf.numpy_function(host, list(inputs), list(dtypes), stateful=True,
-                                name=f"Gradsync{kind.title().replace('_', '')}")
-    if not isinstance(outputs, (list, tuple)):  # one output comes back bare, eagerly
-        outputs = [outputs]
-    for output, shape in zip(outputs, shapes):
-        output.set_shape(shape)
-    return list(outputs)
-
-
-#: Unsigned dtypes TensorFlow has and gradsync's core does not: the collectives that only move
-#: data (allgather, broadcast, alltoall) move them as the signed dtype of the same width, bit for bit.
-_MOVED_AS = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}
-
-
-def moved(array: np.ndarray) -> np.ndarray:
-    """``array`` as the core can move it: a uint16/32/64 array viewed as int16/32/64 (no copy)."""
-    return array.view(_MOVED_AS[array.dtype]) if array.dtype in _MOVED_AS else array
-
-
-def restored(result: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """The moved ``result`` viewed in the dtype of ``like`` again."""
-    return result.view(like.dtype) if result.dtype != like.dtype else result
-
-
-def _groups_by_dtype(tensors: Sequence[tf.Tensor]) -> dict[str, list[int]]:
+def groups_by_dtype(tensors: Sequence[tf.Tensor]) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for i, tensor in enumerate(tensors):
         groups.setdefault(tensor.dtype.name, []).append(i)
     return groups
 
 
-def _grouped_reduce(tensors: Sequence[tf.Tensor], name: str | None, op: ReduceOp, prescale: float,
-                    postscale: float, process_set: ProcessSet) -> list[tf.Tensor]:
-    """Allreduce ``tensors`` in one op: one core group per dtype (named ``<name>.<dtype>``),
-    submitted together and waited on together. Not differentiable."""
+def grouped_reduce(tensors: Sequence[tf.Tensor], name: str | None, op: ReduceOp, prescale: float,
+                   postscale: float, process_set: ProcessSet,
+                   scatter: bool = False) -> list[tf.Tensor]:
+    """Allreduce (``scatter``: reducescatter) ``tensors`` in one op: one core group per dtype
+    (named ``<name>.<dtype>``), submitted together and waited on together, integers scaled as
+    :func:`~gradsync.tensorflow.host_op.start_reduction` says. Not differentiable."""
     if not tensors:
         return []
-    groups = _groups_by_dtype(tensors)
+    groups = groups_by_dtype(tensors)
+    start_group = ops.grouped_reducescatter_async if scatter else ops.grouped_allreduce_async
 
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
-        handles = {}
-        for dtype, members in groups.items():
-            group = ops.grouped_allreduce_async([arrays[i] for i in members],
-                                                None if name is None else f"{name}.{dtype}", op,
-                                                prescale, postscale, process_set)
-            handles.update(zip(members, group.handles))
-        return [handles[i].wait() for i in range(len(arrays))]
+        started = [(members, start_reduction(
+            lambda xs, o, pre, post, group=None if name is None else f"{name}.{dtype}":
+                start_group(xs, group, o, pre, post, process_set),
+            [arrays[i] for i in members], op, prescale, postscale)) for dtype, members in groups.items()]
+        results = {}
+        for members, finish in started:  # every group submitted before any is waited on
+            results.update(zip(members, finish()))
+        return [results[i] for i in range(len(arrays))]
 
-    return call_on_host("grouped_allreduce", on_host, tensors, [t.dtype for t in tensors],
-                 [t.shape for t in tensors])
+    shapes = [[None] + t.shape[1:] if scatter else t.shape for t in tensors]
+    return call_on_host("grouped_reducescatter" if scatter else "grouped_allreduce", on_host, tensors,
+                        [t.dtype for t in tensors], shapes, name)
 
 
 def _allreduce(tensor: tf.Tensor, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                process_set: ProcessSet) -> tf.Tensor:
     """One allreduce op; not differentiable, no compression."""
     def on_host(array: np.ndarray) -> list[np.ndarray]:
-        return [ops.allreduce(array, name, op, prescale, postscale, process_set)]
+        return start_reduction(lambda xs, o, pre, post: ops.allreduce_async(xs[0], name, o, pre, post,
+                                                                        process_set),
+                               [array], op, prescale, postscale)()
 
-    return call_on_host("allreduce", on_host, [tensor], [tensor.dtype], [tensor.shape])[0]
+    return call_on_host("allreduce", on_host, [tensor], [tensor.dtype], [tensor.shape], name)[0]
 
 
-def _rows(tensor: tf.Tensor, kind: str) -> None:
+def needs_rows(tensor: tf.Tensor, kind: str) -> None:
     if tensor.shape.rank == 0:
         raise ValueError(f"gradsync: rank {runtime.get().rank}: gradsync.tensorflow.{kind} needs at "
                          f"least one dimension, got the 0-d tensor {tensor!r}; reshape it to (1,)")
@@ -178,18 +147,19 @@ def _rows(tensor: tf.Tensor, kind: str) -> None:
 
 def _allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet) -> tf.Tensor:
     """One allgather op (dimension 0 may differ between ranks); not differentiable."""
-    _rows(tensor, "allgather")
+    needs_rows(tensor, "allgather")
 
     def on_host(array: np.ndarray) -> list[np.ndarray]:
         return [restored(ops.allgather(moved(array), name, process_set), array)]
 
-    return call_on_host("allgather", on_host, [tensor], [tensor.dtype], [[None] + tensor.shape[1:]])[0]
+    return call_on_host("allgather", on_host, [tensor], [tensor.dtype], [[None] + tensor.shape[1:]],
+                        name)[0]
 
 
 def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
               process_set: ProcessSet) -> tuple[tf.Tensor, tf.Tensor]:
     """One alltoall op: (output, received splits as int32); not differentiable."""
-    _rows(tensor, "alltoall")
+    needs_rows(tensor, "alltoall")
 
     def on_host(array: np.ndarray, *split: np.ndarray) -> list[np.ndarray]:
         output, received = ops.alltoall(moved(array), split[0] if split else None, name, process_set)
@@ -197,7 +167,7 @@ def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
 
     inputs = [tensor] if splits is None else [tensor, splits]
     return tuple(call_on_host("alltoall", on_host, inputs, [tensor.dtype, tf.int32],
-                       [[None] + tensor.shape[1:], [process_set.size()]]))
+                       [[None] + tensor.shape[1:], [process_set.size()]], name))
 
 
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
@@ -217,8 +187,9 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         compression: ``Compression.none`` (default) or ``Compression.fp16``/``bf16``: the tensor
             crosses the wire in that dtype.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
-        prescale_factor: multiplies the input before the reduction (floating dtypes).
-        postscale_factor: multiplies the result after it (floating dtypes).
+        prescale_factor: multiplies the input before the reduction (integers: in float64, then
+            truncated back, as Horovod).
+        postscale_factor: multiplies the result after it (the same).
         name: the collective's name, the same on every rank (module docstring for unnamed ones).
         process_set: the ranks that take part (default: every rank).
         ignore_name_scope: in a tf.function, do not prefix ``name`` with the current name scope.
@@ -229,16 +200,17 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
 
     Raises:
         ValueError: both ``average`` and ``op``, or an unknown ``op``.
+        NotImplementedError: a ``tf.IndexedSlices`` with an op other than Average and Sum, or
+            with scale factors (Horovod's).
         tf.errors.FailedPreconditionError: the ranks disagree (shape, dtype, op), when the op
-            runs (inside a tf.function: ``tf.errors.UnknownError``, gradsync's message).
-        tf.errors.InvalidArgumentError: a dtype or factor the core refuses, when the op runs
-            (the same).
+            runs (eagerly, in a tf.function or a TF1 graph, with gradsync's message).
+        tf.errors.InvalidArgumentError: a dtype or factor the core refuses, when the op runs.
     """
     op = reduce_op(op, average, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, op, name, process_set)
+        return _sparse_allreduce(tensor, op, name, process_set, prescale_factor, postscale_factor)
     compressed, context = compression.compress(tf.convert_to_tensor(tensor))
-    name = _name(name, "allreduce", compressed, ignore_name_scope)
+    name = collective_name(name, "allreduce", compressed, ignore_name_scope)
 
     @tf.custom_gradient
     def reduce(x):
@@ -249,14 +221,23 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     return compression.decompress(reduce(compressed), context)
 
 
-def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: str | None,
-                      process_set: ProcessSet) -> tf.IndexedSlices:
-    """Horovod's allreduce of IndexedSlices: values and indices allgathered, values divided by the
-    set's size for Average; Sum and Average only."""
+def _check_sparse(op: ReduceOp, name: str | None, prescale: float, postscale: float) -> None:
+    """Raise Horovod's NotImplementedError for an allreduce of IndexedSlices with an op other
+    than Average and Sum, or with scale factors."""
+    where = f"gradsync: rank {runtime.get().rank}: gradsync.tensorflow.allreduce of IndexedSlices {name!r}"
     if op not in (Average, Sum):
-        raise ValueError(f"gradsync: rank {runtime.get().rank}: gradsync.tensorflow.allreduce of "
-                         f"IndexedSlices {name!r} supports op=Average and Sum, not {op.name}; pass "
-                         "sparse_as_dense=True (or tf.convert_to_tensor the slices) for the others")
+        raise NotImplementedError(f"{where} supports op=Average and Sum, not {op.name}; pass "
+                                  "sparse_as_dense=True (or tf.convert_to_tensor the slices) for the others")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(f"{where}: prescale_factor={prescale} / postscale_factor={postscale} "
+                                  "are not supported with IndexedSlices; convert them to a dense tensor")
+
+
+def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: str | None, process_set: ProcessSet,
+                      prescale: float = 1.0, postscale: float = 1.0) -> tf.IndexedSlices:
+    """Horovod's allreduce of IndexedSlices: values and indices allgathered, values divided by the
+    set's size for Average; Sum and Average only, no scale factors (:func:`_check_sparse`)."""
+    _check_sparse(op, name, prescale, postscale)
     values = allgather(slices.values, None if name is None else f"{name}.values", process_set=process_set)
     indices = allgather(slices.indices, None if name is None else f"{name}.indices",
                         process_set=process_set)
@@ -285,24 +266,28 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     op = reduce_op(op, average, "grouped_allreduce")
     sparse = {i: t for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)}
     if sparse:  # Horovod's: each IndexedSlices allgathered, the dense ones grouped
+        for i in sparse:  # checked first, as Horovod does
+            _check_sparse(op, None if name is None else f"{name}.sparse.{i}", prescale_factor,
+                          postscale_factor)
         dense = [t for i, t in enumerate(tensors) if i not in sparse]
         reduced = iter(grouped_allreduce(dense, compression=compression, op=op, name=name,
                                          prescale_factor=prescale_factor,
                                          postscale_factor=postscale_factor, process_set=process_set))
-        return [_sparse_allreduce(t, op, None if name is None else f"{name}.sparse.{i}", process_set)
+        return [_sparse_allreduce(t, op, None if name is None else f"{name}.sparse.{i}", process_set,
+                                  prescale_factor, postscale_factor)
                 if i in sparse else next(reduced) for i, t in enumerate(tensors)]
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     inputs = [c for c, _ in compressed]
     if not inputs:
         return []
-    name = _name(name, "grouped_allreduce", inputs[0])
+    name = collective_name(name, "grouped_allreduce", inputs[0])
 
     @tf.custom_gradient
     def reduce(*xs):
         def grad(*dys):
-            return _grouped_reduce(dys, _grad_name(name), op, prescale_factor, postscale_factor,
+            return grouped_reduce(dys, _grad_name(name), op, prescale_factor, postscale_factor,
                                    process_set)
-        return _grouped_reduce(xs, name, op, prescale_factor, postscale_factor, process_set), grad
+        return grouped_reduce(xs, name, op, prescale_factor, postscale_factor, process_set), grad
 
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduce(*inputs), compressed)]
 
@@ -322,20 +307,24 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
             :func:`allreduce`.
     """
     tensor = tf.convert_to_tensor(tensor)
-    name = _name(name, "allgather", tensor, ignore_name_scope)
-    rank = process_set.rank()
+    name = collective_name(name, "allgather", tensor, ignore_name_scope)
 
     @tf.custom_gradient
     def gather(x):
-        def grad(dy):
-            averaged = _allreduce(dy, _grad_name(name), Average, 1.0, 1.0, process_set)
-            rows = _allgather(tf.shape(x, tf.int64)[:1], _grad_name(f"{name}.rows" if name else None),
-                              process_set)
-            start = tf.reduce_sum(rows[:rank])
-            return tf.reshape(averaged[start:start + rows[rank]], tf.shape(x))
-        return _allgather(x, name, process_set), grad
+        return _allgather(x, name, process_set), lambda dy: allgather_grad(x, dy, name, process_set)
 
     return gather(tensor)
+
+
+def allgather_grad(x: tf.Tensor, dy: tf.Tensor, name: str | None, process_set: ProcessSet) -> tf.Tensor:
+    """Horovod's gradient of the allgather of ``x`` named ``name``: this rank's rows of the
+    averaged output gradient ``dy``."""
+    averaged = _allreduce(dy, _grad_name(name), Average, 1.0, 1.0, process_set)
+    rows = _allgather(tf.shape(x, tf.int64)[:1], _grad_name(f"{name}.rows" if name else None),
+                      process_set)
+    rank = process_set.rank()
+    start = tf.reduce_sum(rows[:rank])
+    return tf.reshape(averaged[start:start + rows[rank]], tf.shape(x))
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
@@ -347,23 +336,25 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     zeros elsewhere.
 
     Raises:
-        tf.errors.InvalidArgumentError: ``root_rank`` not a rank of the set, when the op runs
-            (inside a tf.function: ``tf.errors.UnknownError``, gradsync's message).
+        tf.errors.InvalidArgumentError: ``root_rank`` not a rank of the set, when the op runs.
         tf.errors.FailedPreconditionError: the ranks disagree on shape or dtype, as :func:`allreduce`.
     """
     tensor = tf.convert_to_tensor(tensor)
-    name = _name(name, "broadcast", tensor, ignore_name_scope)
+    name = collective_name(name, "broadcast", tensor, ignore_name_scope)
 
     def run(x: tf.Tensor) -> tf.Tensor:
         def on_host(array: np.ndarray) -> list[np.ndarray]:
             return [restored(ops.broadcast(moved(array), root_rank, name, process_set), array)]
-        return call_on_host("broadcast", on_host, [x], [x.dtype], [x.shape])[0]
+        return call_on_host("broadcast", on_host, [x], [x.dtype], [x.shape], name)[0]
 
     @tf.custom_gradient
     def send(x):
         def grad(dy):
             averaged = _allreduce(dy, _grad_name(name), Average, 1.0, 1.0, process_set)
-            return averaged if process_set.rank() == root_rank else tf.zeros_like(averaged)
+            if process_set.rank() == root_rank:
+                return averaged
+            with tf.control_dependencies([averaged]):  # a TF1 graph would prune the allreduce
+                return tf.zeros_like(averaged)        # here and stall the root's
         return run(x), grad
 
     return send(tensor)
@@ -388,10 +379,10 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     Raises:
         ValueError: a 0-d tensor.
         tf.errors.InvalidArgumentError: bad splits (wrong length, negative, not summing to
-            dimension 0), when the op runs (inside a tf.function: ``tf.errors.UnknownError``).
+            dimension 0), when the op runs.
     """
     tensor = tf.convert_to_tensor(tensor)
-    name = _name(name, "alltoall", tensor, ignore_name_scope)
+    name = collective_name(name, "alltoall", tensor, ignore_name_scope)
     if splits is not None:
         splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
 
@@ -426,20 +417,26 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     """
     op = reduce_op(op, None, "reducescatter")
     compressed, context = compression.compress(tf.convert_to_tensor(tensor))
-    _rows(compressed, "reducescatter")
-    name = _name(name, "reducescatter", compressed, ignore_name_scope)
-    factor = prescale_factor * postscale_factor * (process_set.size() if op == Sum else 1)
+    needs_rows(compressed, "reducescatter")
+    name = collective_name(name, "reducescatter", compressed, ignore_name_scope)
 
     def run(x: tf.Tensor) -> tf.Tensor:
         def on_host(array: np.ndarray) -> list[np.ndarray]:
-            return [ops.reducescatter(array, name, op, prescale_factor, postscale_factor, process_set)]
-        return call_on_host("reducescatter", on_host, [x], [x.dtype], [[None] + x.shape[1:]])[0]
+            return start_reduction(lambda xs, o, pre, post: ops.reducescatter_async(
+                xs[0], name, o, pre, post, process_set), [array], op, prescale_factor, postscale_factor)()
+        return call_on_host("reducescatter", on_host, [x], [x.dtype], [[None] + x.shape[1:]], name)[0]
 
     @tf.custom_gradient
     def scatter(x):
-        def grad(dy):
-            return _allgather(dy * tf.cast(factor, dy.dtype) if factor != 1 else dy,
-                              _grad_name(name), process_set)
-        return run(x), grad
+        return run(x), lambda dy: reducescatter_grad(dy, name, op, prescale_factor, postscale_factor,
+                                                     process_set)
 
     return compression.decompress(scatter(compressed), context)
+
+
+def reducescatter_grad(dy: tf.Tensor, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                       process_set: ProcessSet) -> tf.Tensor:
+    """Horovod's gradient of the reducescatter named ``name``: the allgather of the output
+    gradient ``dy``, times the set's size for ``Sum`` and times the scale factors."""
+    factor = prescale * postscale * (process_set.size() if op == Sum else 1)
+    return _allgather(dy * tf.cast(factor, dy.dtype) if factor != 1 else dy, _grad_name(name), process_set)
