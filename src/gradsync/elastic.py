@@ -24,6 +24,7 @@ ends the job, which is what Horovod does when such a script is started by ``mpir
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import pickle
@@ -40,7 +41,7 @@ from .ops import broadcast_object
 from .run import store
 from .runtime import rank
 
-__all__ = ["run", "State", "HostsUpdatedInterrupt"]
+__all__ = ["run", "State", "AttributesState", "HostsUpdatedInterrupt"]
 log = logging.getLogger("gradsync")
 
 NO_RECOVERY = ("gradsync elastic state started without the elastic driver does not recover from a "
@@ -251,3 +252,36 @@ def entry(saved: dict[str, Any], name: str) -> Any:
         raise KeyError(f"the committed elastic state has no {name!r} (it has {sorted(saved)}): was it "
                        "written by another version of the training script?")
     return saved[name]
+
+
+class AttributesState(State):
+    """A ``State`` whose further keyword arguments are plain attributes (``epoch``, ``batch``,
+    lists, ...): kept as deep copies at ``save()``, given back at ``restore()``, committed as they
+    are (they must pickle) and synced from rank 0's *saved* copy with ``broadcast_object``
+    (Horovod's ``ObjectState``). Subclasses call :meth:`_set_attributes` once, and the
+    ``*_attributes`` helpers from their own ``save``/``restore``/``sync``/``load_committed``.
+    """
+
+    def _set_attributes(self, attributes: dict[str, Any]) -> None:
+        self._attrs = list(attributes)
+        for name, value in attributes.items():
+            setattr(self, name, value)
+        self._saved: dict[str, Any] = {}
+
+    def _save_attributes(self) -> None:
+        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._attrs}
+
+    def _restore_attributes(self) -> None:
+        for name, value in self._saved.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def _load_attributes(self, committed: dict[str, Any]) -> None:
+        """Take the attributes of a commit; ``KeyError`` (via :func:`entry`) names a missing one."""
+        for name in self._attrs:
+            setattr(self, name, entry(committed, name))
+
+    def _sync_attributes(self) -> None:
+        """Every rank takes rank 0's saved attributes (a collective when there are any)."""
+        if self._saved:
+            self._saved = broadcast_object(self._saved, root_rank=0, name="elastic.attrs")
+            self._restore_attributes()

@@ -4,6 +4,7 @@ DistributedGradientTape in a tf.function against single-process training on the 
 batch."""
 
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -402,3 +403,46 @@ def test_allreduce_gradients_with_a_predivide_factor_still_averages(rank, size):
     np.testing.assert_allclose(averaged.numpy(), [(size - 1) / 2, 1.0])
     with pytest.raises(ValueError, match=f"rank {rank}: .*gradient_predivide_factor=2.0 needs op=Average"):
         hvd.allreduce_gradients(grads, op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+def test_tensorflow_state_syncs_restores_and_commits_as_horovods(rank):
+    # Horovod's test_elastic_state (test_tensorflow.py), eager.
+    v = 1.0 if rank == 0 else 2.0
+    variables = [tf.Variable(np.full((2, 2), v)), tf.Variable(np.full(2, v))]
+    other = [np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([0.0, 0.0])]
+    state = hvd.elastic.TensorFlowState(variables, batch=20 + rank, epoch=10 + rank)
+    state.sync()
+    for variable in variables:
+        np.testing.assert_array_equal(variable.numpy(), np.ones(variable.shape))
+    assert (state.batch, state.epoch) == (20, 10)
+    for variable, value in zip(variables, other):
+        variable.assign(value)
+    state.batch, state.epoch = 21, 11
+    state.restore()
+    for variable in variables:
+        np.testing.assert_array_equal(variable.numpy(), np.ones(variable.shape))
+    assert (state.batch, state.epoch) == (20, 10)
+    for variable, value in zip(variables, other):
+        variable.assign(value)
+    state.batch, state.epoch = 21, 11
+    state.commit()
+    state.restore()
+    for variable, value in zip(variables, other):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert (state.batch, state.epoch) == (21, 11)
+
+
+def test_tensorflow_state_resumes_a_commit_exactly(case, rank, tmp_path_factory, monkeypatch):
+    directory = hvd.broadcast_object(str(tmp_path_factory.mktemp("elastic")) if rank == 0 else None,
+                                     root_rank=0, name=f"{case}.dir")
+    monkeypatch.setenv("GRADSYNC_ELASTIC_STATE_DIR", directory)
+    values = np.random.default_rng(rank).normal(size=(3, 4)).astype(np.float32)
+    state = hvd.elastic.TensorFlowState([tf.Variable(values)], step=rank)
+    state.sync()  # rank 0's
+    expected = state.variables[0].numpy()
+    state.step = 7
+    state.commit()  # rank 0 writes it
+    fresh = hvd.elastic.TensorFlowState([tf.Variable(np.zeros((3, 4), np.float32))], step=-1)
+    fresh.resume(pathlib.Path(directory))  # what hvd.elastic.run does first in a restarted job
+    np.testing.assert_array_equal(fresh.variables[0].numpy(), expected)
+    assert fresh.step == 7

@@ -23,14 +23,13 @@ and epoch just done.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import keras
 import numpy as np
 
 from .. import ops
-from ..elastic import HostsUpdatedInterrupt, State, entry, run
+from ..elastic import AttributesState, HostsUpdatedInterrupt, State, run
 
 __all__ = ["run", "KerasState", "HostsUpdatedInterrupt", "CommitStateCallback",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
@@ -41,7 +40,7 @@ def _values(variables: list) -> list[np.ndarray]:
     return [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
 
 
-class KerasState(State):
+class KerasState(AttributesState):
     """The state of a Keras model, its optimizer and plain attributes (Horovod's ``KerasState``).
 
     The model's weights (``model.variables``: trainable and not, e.g. batch-norm statistics) and the
@@ -67,9 +66,7 @@ class KerasState(State):
                              "build it (model.build(input_shape) or call it on a batch) first")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self._attrs = list(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
+        self._set_attributes(kwargs)
         self.save()
 
     def _optimizer_variables(self) -> list:
@@ -88,14 +85,13 @@ class KerasState(State):
         self._attach_fit_state()
         self._saved_model = _values(self.model.variables)
         self._saved_optimizer = _values(self._optimizer_variables())
-        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._attrs}
+        self._save_attributes()
 
     def restore(self) -> None:
         """Go back to the last saved state (what came after it is lost)."""
         self._attach_fit_state()
         self._assign(self._saved_model, self._saved_optimizer)
-        for name, value in self._saved.items():
-            setattr(self, name, copy.deepcopy(value))
+        self._restore_attributes()
 
     def _assign(self, model_values: list[np.ndarray], optimizer_values: list[np.ndarray]) -> None:
         for variable, value in zip(self.model.variables, model_values):
@@ -129,8 +125,7 @@ class KerasState(State):
             raise ValueError(f"gradsync: KerasState: the commit holds {len(model)} model variables, "
                              f"the model {self.model.name!r} has {len(self.model.variables)}")
         self._assign(model, committed["optimizer"])
-        for name in self._attrs:
-            setattr(self, name, entry(committed["attrs"], name))
+        self._load_attributes(committed["attrs"])
         self.save()
 
     def sync(self) -> None:
@@ -147,10 +142,7 @@ class KerasState(State):
                     and not self.optimizer.built):
                 self.optimizer.build(self.model.trainable_variables)
             broadcast_variables(self._optimizer_variables(), root_rank=0, name="elastic.optimizer")
-        if self._saved:
-            self._saved = ops.broadcast_object(self._saved, root_rank=0, name="elastic.attrs")
-            for name, value in self._saved.items():
-                setattr(self, name, copy.deepcopy(value))
+        self._sync_attributes()
         self.save()
 
 

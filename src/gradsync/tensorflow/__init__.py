@@ -37,7 +37,7 @@ from ..runtime import (
     shutdown,
     size,
 )
-from . import util
+from . import elastic, util
 from .basics import (
     ccl_built,
     cuda_built,
@@ -74,7 +74,7 @@ __all__ = [
     "cross_rank", "cross_size", "barrier", "join", "broadcast_object", "allgather_object",
     "size_op", "rank_op", "local_size_op", "local_rank_op",
     "mpi_built", "mpi_enabled", "nccl_built", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built",
-    "rocm_built", "cuda_built", "util",
+    "rocm_built", "cuda_built", "util", "elastic",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
