@@ -292,7 +292,7 @@ def test_settings_that_differ_by_rank_stop_init_on_every_rank_with_each_ranks_va
     assert result.returncode != 0, result.stdout
     for rank, error in errors.items():
         assert error is not None and error.startswith(message), (rank, error)
-        assert "small_gradient_bytes=0, wait_policy=sleep, rank 1: " in error and "small_gradient_bytes=1024" in error, error
+        assert "small_gradient_bytes=0, wait_policy=mpi, rank 1: " in error and "small_gradient_bytes=1024" in error, error
 
 
 def test_a_launcher_that_fails_before_starting_any_process_is_launched_again(tmp_path):

@@ -82,12 +82,12 @@ SETTINGS: tuple[Setting, ...] = (
         "every cycle.",
     ),
     Setting(
-        "wait_policy", str, "sleep", "name",
-        "How a rank waits in a negotiation exchange for ranks that have not reached it: 'sleep' (a "
-        "nonblocking MPI_Iallreduce, tested for 50 us, then tested between sleeps of 20 us doubling up "
-        "to 0.5 ms: the core is free for the training thread meanwhile) or 'mpi' (the blocking "
-        "MPI_Allreduce: the MPI's own wait, which polls). Data collectives always block. Must be the "
-        "same on every rank.",
+        "wait_policy", str, "mpi", "name",
+        "How a rank waits in a negotiation exchange for ranks that have not reached it: 'mpi' (the "
+        "blocking MPI_Allreduce: the MPI's own wait, which polls) or 'sleep' (a nonblocking "
+        "MPI_Iallreduce, tested for 50 us, then tested between sleeps of 20 us doubling up to 0.5 ms, "
+        "leaving the core free meanwhile; measured no faster here, see docs/configuration.md). Data "
+        "collectives always block. Must be the same on every rank.",
     ),
     Setting(
         "shutdown_timeout", float, 30.0, "seconds",
@@ -194,7 +194,7 @@ class Config:
     small_gradient_bytes: int = 256 << 10
     cycle_time: float = 1.0
     caller_runs: bool = True
-    wait_policy: str = "sleep"
+    wait_policy: str = "mpi"
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0

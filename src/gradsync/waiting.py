@@ -12,7 +12,8 @@ the others are already there), then sleeps between tests, doubling the sleep up 
 core is free for the training thread. It is used for the negotiation exchange only, a few dozen bytes
 whose progress needs nothing from this rank but a test: a data collective's bytes move only while a
 rank is inside MPI, so those stay blocking (fact 2: a test-and-sleep loop made steps 15-20 % slower).
-The policy is the ``wait_policy`` setting; docs/configuration.md.
+The policy is the ``wait_policy`` setting, ``mpi`` (the blocking call) by default: on 2 ranks sharing
+2 cores ``sleep`` measured no faster under MPICH and slower under Open MPI (docs/configuration.md).
 """
 
 from __future__ import annotations
