@@ -411,20 +411,22 @@ def test_tensorflow_state_syncs_restores_and_commits_as_horovods(rank):
     variables = [tf.Variable(np.full((2, 2), v)), tf.Variable(np.full(2, v))]
     other = [np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([0.0, 0.0])]
     state = hvd.elastic.TensorFlowState(variables, batch=20 + rank, epoch=10 + rank)
+    def assert_roots_state():  # rank 0's values and counters
+        for variable in variables:
+            np.testing.assert_array_equal(variable.numpy(), np.ones(variable.shape))
+        assert (state.batch, state.epoch) == (20, 10)
+
+    def change():
+        for variable, value in zip(variables, other):
+            variable.assign(value)
+        state.batch, state.epoch = 21, 11
+
     state.sync()
-    for variable in variables:
-        np.testing.assert_array_equal(variable.numpy(), np.ones(variable.shape))
-    assert (state.batch, state.epoch) == (20, 10)
-    for variable, value in zip(variables, other):
-        variable.assign(value)
-    state.batch, state.epoch = 21, 11
+    assert_roots_state()
+    change()
     state.restore()
-    for variable in variables:
-        np.testing.assert_array_equal(variable.numpy(), np.ones(variable.shape))
-    assert (state.batch, state.epoch) == (20, 10)
-    for variable, value in zip(variables, other):
-        variable.assign(value)
-    state.batch, state.epoch = 21, 11
+    assert_roots_state()
+    change()
     state.commit()
     state.restore()
     for variable, value in zip(variables, other):
