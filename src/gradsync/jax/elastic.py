@@ -21,15 +21,13 @@ commit, a resume and a host update do is :mod:`gradsync.elastic`'s, shared with 
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..elastic import HostsUpdatedInterrupt, State, entry, run
-from ..ops import broadcast_object
+from ..elastic import AttributesState, HostsUpdatedInterrupt, entry, run
 from .collectives import broadcast
 
 __all__ = ["run", "JaxState", "HostsUpdatedInterrupt"]
@@ -48,7 +46,7 @@ def _snapshot(tree: Any) -> Any:
                                   tree)
 
 
-class JaxState(State):
+class JaxState(AttributesState):
     """The state of a JAX training process: pytrees of arrays and plain attributes.
 
     Every keyword argument becomes an attribute. A value that is a pytree of jax or numpy arrays
@@ -70,22 +68,21 @@ class JaxState(State):
         super().__init__()
         kwargs.update(params=params, opt_state=opt_state)
         self._trees = [name for name, value in kwargs.items() if is_pytree_of_arrays(value)]
-        self._attrs = [name for name in kwargs if name not in self._trees]
-        for name, value in kwargs.items():
-            setattr(self, name, value)
+        for name in self._trees:
+            setattr(self, name, kwargs.pop(name))
+        self._set_attributes(kwargs)
         self.save()
 
     def save(self) -> None:
         """Keep the pytrees (numpy leaves copied) and deep copies of the plain attributes."""
         self._saved_trees = {name: _snapshot(getattr(self, name)) for name in self._trees}
-        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._attrs}
+        self._save_attributes()
 
     def restore(self) -> None:
         """Go back to the last saved state (uncommitted changes are lost)."""
         for name, tree in self._saved_trees.items():
             setattr(self, name, _snapshot(tree))
-        for name, value in self._saved.items():
-            setattr(self, name, copy.deepcopy(value))
+        self._restore_attributes()
 
     def committed(self) -> dict[str, dict[str, Any]]:
         """The last saved state: ``{"trees": name -> pytree of numpy arrays, "attrs": name -> value}``."""
@@ -100,15 +97,11 @@ class JaxState(State):
         """
         for name in self._trees:
             setattr(self, name, jax.tree_util.tree_map(jnp.asarray, entry(committed["trees"], name)))
-        for name in self._attrs:
-            setattr(self, name, entry(committed["attrs"], name))
+        self._load_attributes(committed["attrs"])
         self.save()
 
     def sync(self) -> None:
         """Every rank takes rank 0's pytrees and committed attributes: a collective every rank calls."""
         for name in self._trees:
             setattr(self, name, broadcast(getattr(self, name), root_rank=0, name=f"elastic.{name}"))
-        if self._saved:
-            self._saved = broadcast_object(self._saved, root_rank=0, name="elastic.attrs")
-            for name, value in self._saved.items():
-                setattr(self, name, copy.deepcopy(value))
+        self._sync_attributes()
