@@ -4,6 +4,8 @@ it from beside themselves (``python examples/train_digits*.py`` puts this folder
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -19,3 +21,27 @@ def load_split(label_dtype: type = np.int64) -> tuple[np.ndarray, ...]:
     train, test = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0,
                                    stratify=digits.target)
     return x[train], y[train], x[test], y[test]
+
+
+def training_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every framework's example takes: ``--epochs`` (20),
+    ``--batch-size`` (32 samples per step on each rank), ``--lr`` (0.05 for one process; the
+    examples multiply it by the number of ranks) and ``--seed`` (0); add an example's own to it."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.05,
+                        help="learning rate of one process; multiplied by the number of ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def epoch_batches(samples: int, epoch: int, seed: int, rank: int, size: int,
+                  batch_size: int) -> np.ndarray:
+    """This rank's batches of one epoch, as indices of shape (steps, batch_size): a permutation of
+    the ``samples`` indices that every rank draws alike (``seed + epoch``), dealt out as disjoint
+    shards ``order[rank::size]``, with the same number of steps on every rank
+    (``samples // size // batch_size``)."""
+    steps = samples // size // batch_size
+    order = np.random.default_rng(seed + epoch).permutation(samples)
+    return order[rank::size][:steps * batch_size].reshape(steps, batch_size)

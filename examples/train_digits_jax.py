@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from digits import load_split
+from digits import epoch_batches, load_split, training_arguments
 
 import gradsync
 import gradsync.jax
@@ -30,12 +30,7 @@ HIDDEN, CLASSES = 128, 10
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="learning rate of one process; multiplied by the number of ranks")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = training_arguments(__doc__.splitlines()[0])
     parser.add_argument("--update", choices=["jit", "host"], default="jit",
                         help="jit: the optimizer's update (and so the gradient allreduce) inside the "
                              "jitted step; host: gradients in jit, the update outside it")
@@ -119,18 +114,14 @@ def main() -> None:
     state = tx.init(params)
     step = make_train_step(tx, args.update)
 
-    # Every rank takes the same number of full batches per epoch (the remainder is dropped), so no
-    # rank waits at a gradient allreduce that another rank never reaches.
-    steps = len(y_train) // size // args.batch_size
     # gradsync: per-sample means over every rank's batches, averaged across ranks when read.
     train_loss, train_acc = Metric("train_loss"), Metric("train_accuracy")
     for epoch in range(args.epochs):
-        # A permutation shared by all ranks (same seed), then disjoint shards: order[rank::size].
-        order = np.random.default_rng(args.seed + epoch).permutation(len(y_train))
-        shard = order[rank::size][:steps * args.batch_size]
         train_loss.reset()
         train_acc.reset()
-        for batch in shard.reshape(steps, args.batch_size):
+        # Disjoint shards of one permutation, the same number of full batches on every rank (the
+        # remainder dropped), so no rank waits at an allreduce another never reaches (digits.py).
+        for batch in epoch_batches(len(y_train), epoch, args.seed, rank, size, args.batch_size):
             params, state, loss, accuracy = step(params, state, x_train[batch], y_train[batch])
             train_loss.update(loss, weight=len(batch))
             train_acc.update(accuracy, weight=len(batch))

@@ -19,7 +19,7 @@ import argparse
 import os
 
 import numpy as np
-from digits import load_split
+from digits import load_split, training_arguments
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 import keras  # noqa: E402  (after KERAS_BACKEND)
@@ -30,12 +30,7 @@ HIDDEN, CLASSES = 128, 10
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step on each rank")
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="learning rate of one process; multiplied by the number of ranks")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = training_arguments(__doc__.splitlines()[0])
     return parser.parse_args()
 
 
