@@ -42,6 +42,7 @@ FAST_VARIANTS = {
     ("test_cached_negotiation", "5-entries"),
     ("test_collectives", "no-fusion"),
     ("test_ops", "4k-fusion"),
+    ("test_ops", "shared-memory"),
     ("test_optimizer", "join-by-contributors"),
     ("test_training", "autotune"),
     ("test_keras", "jax"),  # the Keras file runs in its backends' variants only (RANKS = ())

@@ -90,6 +90,20 @@ SETTINGS: tuple[Setting, ...] = (
         "collectives always block. Must be the same on every rank.",
     ),
     Setting(
+        "shared_memory_bytes", int, 2 << 20, "bytes",
+        "When every rank of a process set runs on one host, a host allreduce of at least "
+        "GRADSYNC_SHARED_MEMORY_THRESHOLD bytes runs through shared memory (a file in /dev/shm) instead of "
+        "MPI_Allreduce (each rank reduces one slice, reading the others' data where it lies; about half "
+        "the memory traffic, see docs/benchmarks.md#shared-memory-allreduce). This is each rank's segment "
+        "of that memory (larger buffers go through it in chunks); the file takes size x this many bytes "
+        "of /dev/shm. 0: always MPI_Allreduce. Must be the same on every rank.",
+    ),
+    Setting(
+        "shared_memory_threshold", int, 512 << 10, "bytes",
+        "The least bytes a host allreduce takes the shared-memory path with (GRADSYNC_SHARED_MEMORY_BYTES); "
+        "smaller ones stay with MPI_Allreduce, whose latency is lower. Must be the same on every rank.",
+    ),
+    Setting(
         "shutdown_timeout", float, 30.0, "seconds",
         "How long shutdown() waits for the other ranks to reach shutdown before giving up with a "
         "warning.",
@@ -195,6 +209,8 @@ class Config:
     cycle_time: float = 1.0
     caller_runs: bool = True
     wait_policy: str = "mpi"
+    shared_memory_bytes: int = 2 << 20
+    shared_memory_threshold: int = 512 << 10
     shutdown_timeout: float = 30.0
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0
@@ -269,16 +285,19 @@ def check_shared(comm, config: Config) -> None:
         GradsyncError: they differ; the message lists each rank's values.
     """
     mine = (config.fusion_threshold, config.cache_capacity, config.join_divisor,
-            config.rank_failure_timeout_seconds, config.small_gradient_bytes, config.wait_policy)
+            config.rank_failure_timeout_seconds, config.small_gradient_bytes, config.wait_policy,
+            config.shared_memory_bytes, config.shared_memory_threshold)
     everyone = comm.allgather(mine)
     if any(values != mine for values in everyone):
         listed = ", ".join(f"rank {r}: fusion_threshold={t}, cache_capacity={c}, join_divisor={j}, "
                            f"rank_failure_timeout_seconds={f:g}, small_gradient_bytes={b}, "
-                           f"wait_policy={w}"
-                           for r, (t, c, j, f, b, w) in enumerate(everyone))
+                           f"wait_policy={w}, shared_memory_bytes={m}, shared_memory_threshold={n}"
+                           for r, (t, c, j, f, b, w, m, n) in enumerate(everyone))
         raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
                             f"GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS, "
                             f"GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) and "
-                            f"GRADSYNC_WAIT_POLICY (a nonblocking exchange matches no blocking one) must be "
+                            f"GRADSYNC_WAIT_POLICY (a nonblocking exchange matches no blocking one), "
+                            f"GRADSYNC_SHARED_MEMORY_BYTES and GRADSYNC_SHARED_MEMORY_THRESHOLD (which "
+                            f"allreduces go through shared memory) must be "
                             f"the same on every rank; got {listed}")
 

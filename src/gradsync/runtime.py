@@ -82,7 +82,7 @@ class Runtime:
         if not self.config.hierarchical_allreduce:
             local.Free()
             cross.Free()
-            return MpiBackend(self.comm)
+            return MpiBackend(self.comm, shared=_shared_memory(self.comm, self.config))
         if self.local_rank != 0:
             cross.Free()
             cross = None
@@ -165,7 +165,8 @@ class Runtime:
         self._next_set_id += 1
         coordinator = None
         if member:
-            coordinator = Coordinator(comm, self.config, backend=MpiBackend(comm),
+            backend = MpiBackend(comm, shared=_shared_memory(comm, self.config))
+            coordinator = Coordinator(comm, self.config, backend=backend,
                                       world_ranks=list(process_set.ranks), process_set_id=ident,
                                       gpu_claims=self.gpu_claims)
             coordinator.neighbours = self._coordinators
@@ -188,7 +189,7 @@ class Runtime:
             raise ValueError(f"{where}: ranks removed different process sets (ids): {listed}")
         del self.process_sets[ident]
         process_set.process_set_id = None
-        _stop_coordinator(self, state.coordinator, state.comm, None)
+        _stop_coordinator(self, state.coordinator, state.comm)
 
 
 _runtime: Runtime | None = None
@@ -308,23 +309,30 @@ def shutdown() -> None:
     for ident, state in sorted(runtime.process_sets.items(), reverse=True):
         if ident:
             state.process_set.process_set_id = None
-        _stop_coordinator(runtime, state.coordinator, state.comm, runtime.backend if ident == 0 else None)
+        _stop_coordinator(runtime, state.coordinator, state.comm)
     runtime.process_sets.clear()
     runtime.control.Free()
 
 
-def _stop_coordinator(runtime: Runtime, coordinator: Coordinator | None, comm, backend) -> None:
+def _stop_coordinator(runtime: Runtime, coordinator: Coordinator | None, comm) -> None:
     """Stop one process set's coordinator (None: this rank is not a member) and free what it owned."""
     if coordinator is None:
         return
     if coordinator.shutdown(runtime.config.shutdown_timeout):
-        if backend is not None:
-            backend.close()
+        coordinator.host.backend.close()
         comm.Free()
     else:
         log.warning("gradsync: rank %d: the other ranks did not reach shutdown within %.0f s; "
                     "leaving the coordinator thread behind", runtime.rank,
                     runtime.config.shutdown_timeout)
+
+
+def _shared_memory(comm, config: Config):
+    """The shared memory of a process set's flat allreduce (gradsync.backends.shared), or None;
+    collective over ``comm``, before its coordinator starts."""
+    from .backends.shared import open_shared
+
+    return open_shared(comm, config.shared_memory_bytes, config.shared_memory_threshold)
 
 
 def _abort(runtime: Runtime, failure: str) -> None:

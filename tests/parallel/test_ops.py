@@ -4,8 +4,9 @@ the numpy references of tests/parallel/reference.py (every rank builds every ran
 The last test checks that nothing in the job imported torch: these ops need numpy alone. Their
 torch-tensor counterparts are in test_ops_torch.py. The allreduce tests run again without fusion
 and with a 4 KiB fusion threshold, every test without the response cache and with a cache of 3
-entries (evictions while requests wait on their bits), and the tests with a joined rank at 3
-ranks without the cache: see ``VARIANTS``.
+entries (evictions while requests wait on their bits), the tests with a joined rank at 3
+ranks without the cache, and the allreduce tests through shared memory in chunks of 4 KiB: see
+``VARIANTS``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ VARIANTS = {
     "no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}},
     "tiny-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "3"}},
     "joined-no-cache": {"env": {"GRADSYNC_CACHE_CAPACITY": "0"}, "ranks": (3,), "k": "join"},
+    # Every allreduce through shared memory, in chunks of one page (gradsync/backends/shared.py).
+    "shared-memory": {"env": {"GRADSYNC_SHARED_MEMORY_THRESHOLD": "0", "GRADSYNC_SHARED_MEMORY_BYTES": "4096"},
+                      "ranks": (2, 3), "k": "allreduce"},
 }
 
 ROOTS = [pytest.param(r, id=f"root{r}") for r in range(WORLD_SIZE)]

@@ -21,6 +21,11 @@ from gradsync import dtypes
 from gradsync.fusion import split_rows
 
 RANKS = (1, 2, 3, 4)
+# Each set's allreduce through its own shared memory, in chunks of one page (backends/shared.py).
+VARIANTS = {
+    "shared-memory": {"env": {"GRADSYNC_SHARED_MEMORY_THRESHOLD": "0", "GRADSYNC_SHARED_MEMORY_BYTES": "4096"},
+                      "ranks": (3, 4), "k": "allreduce"},
+}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,11 @@ torch.set_num_threads(1)
 RANKS = (2, 4)
 # A window of 10 ms lets the search (9 settings) end early in a 200-step training.
 VARIANTS = {"autotune": {"env": {"GRADSYNC_AUTOTUNE": "1", "GRADSYNC_AUTOTUNE_WINDOW": "0.01"},
-                         "k": "autotune"}}
+                         "k": "autotune"},
+            # The gradients through shared memory, in chunks of one page (backends/shared.py).
+            "shared-memory": {"env": {"GRADSYNC_SHARED_MEMORY_THRESHOLD": "0",
+                                      "GRADSYNC_SHARED_MEMORY_BYTES": "4096"},
+                              "k": "one_process or bit_identical"}}
 
 SETTINGS = {
     "sgd": Settings(optimizer="sgd"),

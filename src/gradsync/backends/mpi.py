@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from ..fusion import Traits
 from ..protocol import ReduceOp
+from .shared import SharedMemory
 
 _MPI_OPS = {
     ReduceOp.Average: MPI.SUM,
@@ -48,8 +49,12 @@ class MpiBackend:
         local: the ranks on this host (an ``MPI.COMM_TYPE_SHARED`` split of ``comm``, local rank 0
             first). Given, allreduce is hierarchical.
         cross: on local rank 0 only, the local rank 0 processes of all hosts; None elsewhere.
+        shared: the shared memory of ``comm``'s ranks (:func:`gradsync.backends.shared.open_shared`),
+            through which a flat allreduce that it :meth:`~gradsync.backends.shared.SharedMemory.takes`
+            runs instead of MPI_Allreduce.
 
-    The backend owns ``local`` and ``cross`` (``close()`` frees them); ``comm`` stays the caller's.
+    The backend owns ``local``, ``cross`` and ``shared`` (``close()`` frees them); ``comm`` stays
+    the caller's.
     """
 
     #: What MPI reduces natively (everything but the 16-bit floats; Average is a Sum, divided after).
@@ -58,8 +63,9 @@ class MpiBackend:
     max_count = 2**31 - 1
 
     def __init__(self, comm: MPI.Comm, local: MPI.Comm | None = None,
-                 cross: MPI.Comm | None = None) -> None:
+                 cross: MPI.Comm | None = None, shared: SharedMemory | None = None) -> None:
         self.comm = comm
+        self.shared = shared
         self.local = local
         self.cross = cross
         self._local_root = local is not None and local.Get_rank() == 0
@@ -76,6 +82,9 @@ class MpiBackend:
     def describe(self) -> str:
         """How allreduce moves data, in words (for logs and ``python -m gradsync.check``)."""
         if not self.hierarchical:
+            if self.shared is not None:
+                return (f"flat (through shared memory from {self.shared.threshold} bytes, "
+                        "else one MPI_Allreduce over all ranks)")
             return "flat (one MPI_Allreduce over all ranks)"
         return (f"hierarchical (reduce within the host, {self._local_size} ranks here; allreduce "
                 "among the hosts' local rank 0 processes; broadcast within the host)")
@@ -83,7 +92,11 @@ class MpiBackend:
     def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False) -> None:
         """In-place allreduce of the contiguous 1-d ``buffer`` (same semantics as MPI_Allreduce
         with MPI_IN_PLACE); ``logical`` for 0/1 bool data. Split into chunks of at most
-        :attr:`max_count` elements."""
+        :attr:`max_count` elements. Through shared memory where it takes the buffer (the same
+        result, every rank identical: :mod:`gradsync.backends.shared`)."""
+        if self.shared is not None and self.shared.takes(buffer, op):
+            self.shared.allreduce(buffer, op, logical)
+            return
         mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
         for chunk in self._chunks(buffer):
             if self.local is None:
@@ -178,7 +191,9 @@ class MpiBackend:
         for comm in (self.local, self.cross):
             if comm is not None:
                 comm.Free()
-        self.local = self.cross = None
+        if self.shared is not None:
+            self.shared.close()
+        self.local = self.cross = self.shared = None
 
 
 def _bytes(buffer: np.ndarray) -> np.ndarray:
