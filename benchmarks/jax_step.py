@@ -25,7 +25,9 @@ leaf inside the jitted step and divides by the number of ranks; ``gloo`` runs th
 ``jax.shard_map`` over one CPU device per process with ``lax.pmean`` of the gradients
 (``jax_cpu_collectives_implementation=gloo``). The floor is ``--ranks`` single processes started at
 the same time: the cores share memory bandwidth, so that, not one process alone, is the best an
-N-rank step can do on one machine. Prints the median step time in microseconds.
+N-rank step can do on one machine. The row "MPI_Allreduce only" is gradsync with its shared-memory
+allreduce off (``GRADSYNC_SHARED_MEMORY_BYTES=0``, docs/configuration.md#shared-memory-allreduce).
+Prints the median step time in microseconds.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The same gradsync row with the shared-memory allreduce off (GRADSYNC_SHARED_MEMORY_BYTES=0).
+MPI_ONLY = "MPI_Allreduce only"
 XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 MODELS = {"digits": ((64, 128, 10), 32), "wide": ((784, 1024, 1024, 10), 256)}  # sizes, batch
 
@@ -202,6 +206,7 @@ def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
             (f"{ranks} single processes at once (floor)", "single", "jit", -ranks, ""),
             ("gradsync, in jit, 1 rank", "gradsync", "jit", 1, "alone"),
             (f"gradsync, in jit, {ranks} ranks", "gradsync", "jit", ranks, "floor"),
+            (f"gradsync, in jit, {ranks} ranks, {MPI_ONLY}", "gradsync", "jit", ranks, "floor"),
             ("gradsync, update on host, 1 rank", "gradsync", "host", 1, "alone"),
             (f"gradsync, update on host, {ranks} ranks", "gradsync", "host", ranks, "floor"),
             (f"jax.distributed gloo pmean, {ranks} ranks", "gloo", "jit", ranks, "floor")]
@@ -234,12 +239,13 @@ def compare(args) -> None:
     for repeat in range(args.repeats):
         for label, mode, update, processes, _ in rows:
             env["GLOO_PORT"] = str(12734 + repeat)
-            step, step_cpu = launch(mode, update, processes, args, env)
+            launch_env = dict(env, GRADSYNC_SHARED_MEMORY_BYTES="0") if MPI_ONLY in label else env
+            step, step_cpu = launch(mode, update, processes, args, launch_env)
             results[label].append(step)
             cpu[label].append(step_cpu)
     print(f"\n{args.model} MLP, batch {args.batch} per rank, XLA on one thread per process, median of "
           f"{args.repeats} launches x {args.steps} steps; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'configuration':40s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   "
+    print(f"{'configuration':48s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   "
           "each launch, ms")
     table = []
     for label, *_, against in rows:
@@ -250,7 +256,7 @@ def compare(args) -> None:
             row[f"{what}_ms"] = round(median[label] / 1e3, 2)
             row[f"{what}_ratio"] = f"{median[label] / base[against]:.2f}x {against}" if against else ""
         row["launches"] = " ".join(f"{v / 1e3:.2f}" for v in results[label])
-        print(f"{label:40s} {row['step_ms']:8.2f} {row['step_ratio']:>12s} {row['cpu_ms']:7.2f} "
+        print(f"{label:48s} {row['step_ms']:8.2f} {row['step_ratio']:>12s} {row['cpu_ms']:7.2f} "
               f"{row['cpu_ratio']:>12s}   {row['launches']}")
         table.append(row)
     if args.csv:

@@ -11,7 +11,7 @@ contribution where it lies, and writes the result into its own buffer and into e
 segment; after a second barrier each rank copies the others' results from its own segment. Per
 rank that moves about half the bytes of MPI's large-message algorithm (a reduce-scatter and an
 allgather: a copy to a temporary, the add from it, and a copy back), measured on the 2-core CI
-machine at 2 ranks, nothing else running (docs/benchmarks.md#shared-memory-allreduce):
+machine at 2 ranks, nothing else running (docs/benchmarks.md#shared-memory-allreduce-issue-25):
 
 ==========================================  ==========  ======================
 2.36 MB float32 allreduce, 2 ranks           MPICH       through shared memory
