@@ -268,31 +268,38 @@ def test_under_mpiexec_rank_0_alone_logs_the_start_up_line():
 
 
 @pytest.mark.mpi
-def test_settings_that_differ_by_rank_stop_init_on_every_rank_with_each_ranks_value():
-    # GRADSYNC_SMALL_GRADIENT_BYTES decides which gradients share buckets: ranks that disagree
-    # would submit different collectives, so init() refuses, naming each rank's value.
+@pytest.mark.parametrize(("variable", "field"), [
+    # Which gradients share buckets: ranks that disagree would submit different collectives.
+    ("GRADSYNC_SMALL_GRADIENT_BYTES", "small_gradient_bytes"),
+    # Whether an allreduce goes through shared memory: one rank in MPI_Allreduce, the other in
+    # MPI_Barrier, would wait for each other for good.
+    ("GRADSYNC_SHARED_MEMORY_BYTES", "shared_memory_bytes"),
+])
+def test_settings_that_differ_by_rank_stop_init_on_every_rank_with_each_ranks_value(variable, field):
+    # init() refuses, naming each rank's value, instead of hanging in the first collective.
     if mpiexec() is None:
         pytest.skip("no mpiexec found")
     worker = [sys.executable, str(WORKERS / "init_only.py")]
     if flavour() == "openmpi":
-        cmd = [mpiexec(), "-n", "1", "-x", "GRADSYNC_SMALL_GRADIENT_BYTES=0", *worker, ":",
-               "-n", "1", "-x", "GRADSYNC_SMALL_GRADIENT_BYTES=1024", *worker]
+        cmd = [mpiexec(), "-n", "1", "-x", f"{variable}=0", *worker, ":",
+               "-n", "1", "-x", f"{variable}=4096", *worker]
     else:
-        cmd = [mpiexec(), "-n", "1", "-env", "GRADSYNC_SMALL_GRADIENT_BYTES", "0", *worker, ":",
-               "-n", "1", "-env", "GRADSYNC_SMALL_GRADIENT_BYTES", "1024", *worker]
+        cmd = [mpiexec(), "-n", "1", "-env", variable, "0", *worker, ":",
+               "-n", "1", "-env", variable, "4096", *worker]
     result = run_job(cmd, 120, check=False)
     # Each rank that reports (the launcher may kill one once the other exits) has the error, naming
     # every rank's value.
     message = ("gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
                "GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS, "
-               "GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) and GRADSYNC_WAIT_POLICY "
-               "(a nonblocking exchange matches no blocking one) must be the same on "
-               "every rank; got rank 0: fusion_threshold=")
+               "GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets), GRADSYNC_WAIT_POLICY "
+               "(a nonblocking exchange matches no blocking one), GRADSYNC_SHARED_MEMORY_BYTES and "
+               "GRADSYNC_SHARED_MEMORY_THRESHOLD (which allreduces go through shared memory) must be "
+               "the same on every rank; got rank 0: fusion_threshold=")
     errors = {r: v["error"] for r, v in reports(result.stdout, 2, every=False).items()}
     assert result.returncode != 0, result.stdout
     for rank, error in errors.items():
         assert error is not None and error.startswith(message), (rank, error)
-        assert "small_gradient_bytes=0, wait_policy=mpi, rank 1: " in error and "small_gradient_bytes=1024" in error, error
+        assert f"{field}=0," in error.split("rank 1: ")[0] and f"{field}=4096" in error.split("rank 1: ")[1], error
 
 
 def test_a_launcher_that_fails_before_starting_any_process_is_launched_again(tmp_path):

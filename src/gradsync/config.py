@@ -295,7 +295,7 @@ def check_shared(comm, config: Config) -> None:
                            for r, (t, c, j, f, b, w, m, n) in enumerate(everyone))
         raise GradsyncError(f"gradsync: GRADSYNC_FUSION_THRESHOLD, GRADSYNC_CACHE_CAPACITY, "
                             f"GRADSYNC_JOIN_DIVISOR, GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS, "
-                            f"GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) and "
+                            f"GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets), "
                             f"GRADSYNC_WAIT_POLICY (a nonblocking exchange matches no blocking one), "
                             f"GRADSYNC_SHARED_MEMORY_BYTES and GRADSYNC_SHARED_MEMORY_THRESHOLD (which "
                             f"allreduces go through shared memory) must be "

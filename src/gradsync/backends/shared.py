@@ -76,14 +76,19 @@ def open_shared(comm: MPI.Comm, segment_bytes: int, threshold: int) -> SharedMem
             be the same on every rank (:func:`gradsync.config.check_shared`).
         threshold: the least bytes an allreduce takes this path with.
 
-    None when ``segment_bytes`` is 0, when ``comm`` has one rank, when its ranks are not all on one
+    None when ``segment_bytes`` is 0 or the settings differ by rank, when ``comm`` has one rank,
+    when its ranks are not all on one
     host (the ``MPI.COMM_TYPE_SHARED`` split is smaller than ``comm``), or when some rank could not
     create or map the file (no ``/dev/shm``, or too little room in it: the space is reserved with
     ``posix_fallocate``, so a full tmpfs fails here rather than with SIGBUS later); the reason is
     logged at debug level.
     """
     size = comm.Get_size()
-    if segment_bytes <= 0 or size == 1:
+    if size == 1:
+        return None
+    # Settings that differ by rank: no rank takes the path, and the coordinator's check of the
+    # shared settings (gradsync.config.check_shared), next in init(), names every rank's value.
+    if len(set(comm.allgather((segment_bytes, threshold)))) > 1 or segment_bytes <= 0:
         return None
     segment_bytes = -(-segment_bytes // PAGE) * PAGE
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
