@@ -50,7 +50,7 @@ from .nccl_library import (  # noqa: F401 - the binding's public names, and test
     nccl_version,
     version,
 )
-from .protocol import ReduceOp
+from .protocol import LOGICAL_OPS, ReduceOp
 
 log = logging.getLogger("gradsync")
 
@@ -84,13 +84,6 @@ _OPS = MappingProxyType({
     ReduceOp.Product: "ncclProd",
     ReduceOp.Min: "ncclMin",
     ReduceOp.Max: "ncclMax",
-})
-# bool travels as uint8 0/1: Sum and Max are logical or (max), Min and Product logical and (min).
-_BOOL_OPS = MappingProxyType({
-    ReduceOp.Sum: "ncclMax",
-    ReduceOp.Max: "ncclMax",
-    ReduceOp.Min: "ncclMin",
-    ReduceOp.Product: "ncclMin",
 })
 
 
@@ -176,7 +169,7 @@ def nccl_op(op: ReduceOp, dtype: str, nccl: tuple[int, int, int] | None = None) 
         if op == ReduceOp.Average:
             raise TypeError("op=Average is not defined for bool tensors; use Sum (logical or) or "
                             "Min (logical and)")
-        return _const(_BOOL_OPS[op])
+        return _const(_OPS[LOGICAL_OPS[op]])  # bool: logical or (max), logical and (min)
     if op == ReduceOp.Average:
         if averages(dtype, nccl):
             return _const("ncclAvg")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from types import MappingProxyType
 from typing import NamedTuple
 
 
@@ -26,6 +27,17 @@ class ReduceOp(enum.IntEnum):
     Max = 3
     Product = 4
     Adasum = 5
+
+
+#: The op that computes ``op`` on bool data, which travels as 0/1 uint8 (:mod:`gradsync.dtypes`):
+#: Sum and Max are logical or (max), Min and Product logical and (min). Average is not defined for
+#: bool (refused at submission). Every backend's bool reduction reads it here.
+LOGICAL_OPS = MappingProxyType({
+    ReduceOp.Sum: ReduceOp.Max,
+    ReduceOp.Max: ReduceOp.Max,
+    ReduceOp.Min: ReduceOp.Min,
+    ReduceOp.Product: ReduceOp.Min,
+})
 
 
 Average = ReduceOp.Average

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..fusion import Traits
-from ..protocol import ReduceOp
+from ..protocol import LOGICAL_OPS, ReduceOp
 from .shared import SharedMemory
 
 _MPI_OPS = {
@@ -31,13 +31,6 @@ _MPI_OPS = {
     ReduceOp.Min: MPI.MIN,
     ReduceOp.Max: MPI.MAX,
     ReduceOp.Product: MPI.PROD,
-}
-# bool tensors travel as 0/1 uint8: Sum and Max are logical OR, Min and Product logical AND.
-_BOOL_OPS = {
-    ReduceOp.Sum: MPI.MAX,
-    ReduceOp.Max: MPI.MAX,
-    ReduceOp.Min: MPI.MIN,
-    ReduceOp.Product: MPI.MIN,
 }
 
 
@@ -97,7 +90,7 @@ class MpiBackend:
         if self.shared is not None and self.shared.takes(buffer, op):
             self.shared.allreduce(buffer, op, logical)
             return
-        mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
+        mpi_op = _MPI_OPS[LOGICAL_OPS[op] if logical else op]
         for chunk in self._chunks(buffer):
             if self.local is None:
                 self.comm.Allreduce(MPI.IN_PLACE, chunk, op=mpi_op)
@@ -147,7 +140,7 @@ class MpiBackend:
         elements ``sum(counts[:r])`` .. ``sum(counts[:r+1])`` into ``receive`` (``counts[r]``
         elements); ``logical`` for 0/1 bool data. Always over all ranks (never hierarchical).
         Past :attr:`max_count` elements in all: one (chunked) MPI_Reduce onto each rank."""
-        mpi_op = _BOOL_OPS[op] if logical else _MPI_OPS[op]
+        mpi_op = _MPI_OPS[LOGICAL_OPS[op] if logical else op]
         if sum(counts) <= self.max_count:
             self.comm.Reduce_scatter(send, receive, counts, op=mpi_op)
             return

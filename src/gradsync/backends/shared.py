@@ -51,16 +51,13 @@ import secrets
 import numpy as np
 from mpi4py import MPI
 
-from ..protocol import ReduceOp
+from ..protocol import LOGICAL_OPS, ReduceOp
 
 log = logging.getLogger("gradsync")
 
-# The numpy ufunc of each op; bool data (0/1 as uint8): Sum and Max are logical OR, Min and
-# Product logical AND, as the MPI backend's _BOOL_OPS.
+# The numpy ufunc of each op (bool data, 0/1 as uint8, through protocol.LOGICAL_OPS).
 _UFUNCS = {ReduceOp.Sum: np.add, ReduceOp.Min: np.minimum, ReduceOp.Max: np.maximum,
            ReduceOp.Product: np.multiply}
-_BOOL_UFUNCS = {ReduceOp.Sum: np.maximum, ReduceOp.Max: np.maximum, ReduceOp.Min: np.minimum,
-                ReduceOp.Product: np.minimum}
 _KINDS = frozenset("biufc")  # numpy dtype kinds the ufuncs reduce as MPI does
 SHM_DIRECTORY = "/dev/shm"
 PAGE = 4096
@@ -170,7 +167,7 @@ class SharedMemory:
         """In-place allreduce of the contiguous 1-d ``buffer`` over the ranks; same semantics as
         MPI_Allreduce with MPI_IN_PLACE (``logical``: 0/1 bool data). Only for what :meth:`takes`;
         blocks until every rank has its result."""
-        ufunc = (_BOOL_UFUNCS if logical else _UFUNCS)[op]
+        ufunc = _UFUNCS[LOGICAL_OPS[op] if logical else op]
         chunk = self.segment_bytes // buffer.dtype.itemsize
         for start in range(0, buffer.shape[0], chunk):
             self._reduce_chunk(buffer[start:start + chunk], ufunc)
