@@ -155,13 +155,11 @@ class SharedMemory:
         memory = np.frombuffer(mapped, dtype=np.uint8)
         self.segments = [memory[r * segment_bytes:(r + 1) * segment_bytes] for r in range(self.size)]
         self._peers = [r for r in range(self.size) if r != self.rank]
-        self.barrier = local.Barrier
 
     def takes(self, buffer: np.ndarray, op: ReduceOp) -> bool:
         """Whether an allreduce of ``buffer`` (contiguous, 1-d) with ``op`` runs here. Depends only
         on the negotiated dtype, op and length, so every rank answers alike."""
-        return (buffer.nbytes >= self.threshold and op in _UFUNCS and buffer.dtype.kind in _KINDS
-                and buffer.dtype.itemsize * self.size <= self.segment_bytes)
+        return buffer.nbytes >= self.threshold and op in _UFUNCS and buffer.dtype.kind in _KINDS
 
     def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False) -> None:
         """In-place allreduce of the contiguous 1-d ``buffer`` over the ranks; same semantics as
@@ -179,7 +177,7 @@ class SharedMemory:
         mine = segments[rank]
         for r in self._peers:  # what the others reduce, where they read it
             mine[bounds[r]:bounds[r + 1]] = data[bounds[r]:bounds[r + 1]]
-        self.barrier()
+        self.local.Barrier()
         lo, hi = bounds[rank], bounds[rank + 1]
         terms = [data[lo:hi] if r == rank else segments[r][lo:hi] for r in range(size)]
         if size == 2:  # one op, straight into the result (x0 + x1 == x1 + x0, bit for bit)
@@ -192,7 +190,7 @@ class SharedMemory:
             data[lo:hi] = result
         for r in self._peers:
             segments[r][lo:hi] = data[lo:hi]
-        self.barrier()
+        self.local.Barrier()
         for r in self._peers:  # the others' results, which they wrote into this rank's segment
             data[bounds[r]:bounds[r + 1]] = mine[bounds[r]:bounds[r + 1]]
 
