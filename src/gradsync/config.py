@@ -66,9 +66,10 @@ SETTINGS: tuple[Setting, ...] = (
         "cycle_time", float, 1.0, "milliseconds",
         "The least time from the end of one negotiation cycle to the start of the next: asynchronous "
         "requests that arrive within it (gradients during backward) are negotiated together in the "
-        "next cycle, and requests still waiting for other ranks are negotiated again after it. A request "
-        "that arrives after it has passed, a blocking op, and synchronize() of a handle not yet done "
-        "start a cycle at once; with no pending work the coordinator sleeps until a request arrives.",
+        "next cycle, and requests still waiting for other ranks are negotiated again after it (at once "
+        "while a thread waits for one of them and the last cycle made progress). A request that "
+        "arrives after it has passed, a blocking op, and synchronize() of a handle not yet done start "
+        "a cycle at once; with no pending work the coordinator sleeps until a request arrives.",
         horovod="HOROVOD_CYCLE_TIME",
     ),
     Setting(

@@ -90,6 +90,7 @@ class Coordinator:
         check_shared(comm, config)
         self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
+        self._progressed = False  # the last cycle took new requests or ran collectives
         failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
         # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
         # is inside a blocking MPI call would leave that thread blocked for good, where the
@@ -263,6 +264,7 @@ class Coordinator:
         if self.timeline is not None and (entries or reply.responses):
             self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
                                                        "responses": len(reply.responses)})
+        self._progressed = bool(entries or reply.responses)
         if not self.execution.run(reply.responses, replied_ns):
             return False
         if self._autotuner is not None:
@@ -273,8 +275,16 @@ class Coordinator:
 
     def _interval(self) -> float | None:
         """Seconds from one cycle to the next without new work: the cycle time while requests wait
-        for other ranks, else the heartbeat (None: none)."""
-        return self.negotiator.cycle_time / 1000.0 if self._pending else self._heartbeat
+        for other ranks, else the heartbeat (None: none). 0 while a thread waits for one of them
+        and the last cycle made progress: the others are on their way to the same request (the end
+        of backward: the layout exchange queued during the bucket's cycle), and this rank's next
+        cycle is what their cycle with it waits for. After a cycle without progress (a stall) the
+        cycle time paces the retries again."""
+        if not self._pending:
+            return self._heartbeat
+        if self._progressed and any(entry.handle._waited for entry in self._pending.values()):
+            return 0.0
+        return self.negotiator.cycle_time / 1000.0
 
     def _due(self) -> bool:
         """Whether the background thread, woken, runs a cycle now: new requests once the cycle

@@ -23,7 +23,7 @@ class Handle:
     """
 
     __slots__ = ("name", "_done", "_gate", "_result", "_error", "_completion", "_runner", "_hurry",
-                 "divisor")
+                 "_waited", "divisor")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -41,6 +41,9 @@ class Handle:
         self._runner: Callable[[Handle], None] | None = None
         # The queue's hurry: a thread waits, so the coordinator cycles without batching.
         self._hurry: Callable[[], None] | None = None
+        # True once a thread has waited for it unfinished: while it waits on other ranks, the
+        # coordinator negotiates again at once rather than after the cycle time.
+        self._waited = False
         #: Once done: the Average divisor the coordinator decided for this collective (the set's
         #: size, or with ``GRADSYNC_JOIN_DIVISOR=contributors`` the ranks that had not joined;
         #: the same on every rank), for a framework layer that finishes an Average itself (the
@@ -72,6 +75,7 @@ class Handle:
         if timeout is None and self._runner is not None and not self._done:
             self._runner(self)
         if self._hurry is not None and not self._done:
+            self._waited = True
             self._hurry()
         if not self._done and not self._pass_gate(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")

@@ -82,3 +82,26 @@ def test_a_wait_from_another_thread_ends_the_batching(slow_cycles):
     waiter.join(60)
     assert result and time.monotonic() - start < CYCLE_TIME_MS / 1000.0
     np.testing.assert_array_equal(result[0], total(8))
+
+
+def test_a_waited_request_still_pending_on_other_ranks_is_negotiated_again_at_once(slow_cycles):
+    """The end of backward: rank 0 negotiates the layout exchange in the bucket's cycle, in which
+    the other ranks had only the bucket; rank 0's thread waits for it. Its next cycle, which the
+    others' cycle with it needs, comes at once, not after the cycle time."""
+    if gradsync.size() < 2:
+        pytest.skip("needs a request that some ranks have not submitted yet")
+    gradsync.allreduce(mine(4), name="batch.pending.before", op=gradsync.Sum)
+    first = gradsync.allreduce_async(mine(8), name="batch.pending.first", op=gradsync.Sum)
+    if gradsync.rank() == 0:
+        late = gradsync.allreduce_async(mine(8, 1), name="batch.pending.late", op=gradsync.Sum)
+        start = time.monotonic()
+        np.testing.assert_array_equal(gradsync.synchronize(late), total(8, 1))
+        waited = time.monotonic() - start
+        np.testing.assert_array_equal(gradsync.synchronize(first), total(8))
+    else:
+        np.testing.assert_array_equal(gradsync.synchronize(first), total(8))  # its cycle: first only
+        time.sleep(0.2)
+        late = gradsync.allreduce_async(mine(8, 1), name="batch.pending.late", op=gradsync.Sum)
+        np.testing.assert_array_equal(gradsync.synchronize(late), total(8, 1))
+        waited = 0.0
+    assert waited < CYCLE_TIME_MS / 1000.0, f"rank 0 waited {waited:.2f} s: the cycle time"
