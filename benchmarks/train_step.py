@@ -5,6 +5,13 @@ Run one configuration per launch (the driver below interleaves them):
     mpiexec -n 2 python benchmarks/train_step.py --mode gradsync [--fusion-threshold BYTES] [--model cnn]
     mpiexec -n 2 python benchmarks/train_step.py --mode ddp
     python benchmarks/train_step.py --mode single
+    mpiexec -n 2 python benchmarks/train_step.py --mode lockstep
+
+``lockstep`` is one process's training on every rank, the ranks meeting at an ``MPI_Barrier``
+after each backward: what any synchronous data-parallel step costs before it moves a byte (the
+ranks wait for the slowest one every step, and their backward passes contend for memory at the
+same moments). ``--compare`` prints each configuration's ratio to it (``vs lockstep``) beside
+the ratio to N single processes run at the same time (``vs floor``, which pays neither).
 
 or all of them, interleaved, with a table at the end (and its numbers in a CSV file):
 
@@ -66,6 +73,9 @@ MODEL_LAYERS, WIDTH, BATCH = 24, 768, 32
 # CPU milliseconds per step of rank 0, by thread (cpu_ms_per_step): columns of the --compare table.
 CPU_COLUMNS = ("process", "training", "coordinator", "other")
 VOCAB, TOKENS, D_MODEL = 1000, 16, 64  # the transformer's vocabulary, sequence length and width
+# The --compare row of N ranks each training alone but meeting at an MPI_Barrier after every
+# backward: what any synchronous data-parallel step costs before moving a byte.
+LOCKSTEP = "{ranks} ranks in lockstep"
 
 
 def build_model(kind: str):
@@ -182,6 +192,13 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
     else:
         model = model.cuda() if cuda else model
         optimizer = make_optimizer(optimizer_kind, model)
+    barrier = None
+    if mode == "lockstep":  # one process's training, with the ranks meeting once per step
+        # As gradsync does at import (mpi_environment.py): Open MPI's waits yield the core.
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        from mpi4py import MPI
+
+        rank, barrier = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Barrier
     x = (torch.randint(0, VOCAB, (batch, *sample_shape)) if model_kind == "transformer"
          else torch.randn(batch, *sample_shape))
     y = torch.randint(0, 10, (batch,))
@@ -196,6 +213,8 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=set_to_none)
         loss_fn(model(x), y).backward()
+        if barrier is not None:
+            barrier()
         optimizer.step()
         if cuda:
             torch.cuda.synchronize()
@@ -263,6 +282,7 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     floor = f"{ranks} singles at once"
     configs = [("single", ["--mode", "single"], False, env), (floor, ["--mode", "single"], ranks, env),
+               (LOCKSTEP.format(ranks=ranks), ["--mode", "lockstep"], True, env),
                ("ddp (gloo)", ["--mode", "ddp"], True, env)]
     for label, path, flags in trees:
         tree_env = env if path is None else dict(env, PYTHONPATH=os.pathsep.join(
@@ -287,20 +307,22 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     single = statistics.median(results["single"])
     floor_ms = statistics.median(results[floor])
     ddp = statistics.median(results["ddp (gloo)"])
+    lockstep = statistics.median(results[LOCKSTEP.format(ranks=ranks)])
     print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, {optimizer_kind}, median of {repeats} "
-          f"launches x {steps} steps; floor: {floor} (each one's median step, averaged)")
+          f"launches x {steps} steps; floor: {floor} (each one's median step, averaged); "
+          f"lockstep: {LOCKSTEP.format(ranks=ranks)}, a barrier after each backward")
     width = max(28, *map(len, results))
     print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s} {'vs floor':>8s}"
-          + "".join(f" {k + ' CPU':>15s}" for k in CPU_COLUMNS))
+          f" {'vs lockstep':>11s}" + "".join(f" {k + ' CPU':>15s}" for k in CPU_COLUMNS))
     rows = []
     for name, values in results.items():
         median = statistics.median(values)
         cpu_ms = {k: statistics.median(c[k] for c in cpu[name]) for k in CPU_COLUMNS}
         print(f"{name:{width}s} {median:8.1f} {median / ddp:7.2f} {single / median:10.2f} "
-              f"{floor_ms / median:8.2f}" + "".join(f" {cpu_ms[k]:15.2f}" for k in CPU_COLUMNS))
+              f"{floor_ms / median:8.2f} {lockstep / median:11.2f}" + "".join(f" {cpu_ms[k]:15.2f}" for k in CPU_COLUMNS))
         rows.append({"model": model, "ranks": ranks, "configuration": name, "step_ms": round(median, 3),
                      "vs_ddp": round(median / ddp, 4), "efficiency": round(single / median, 4),
-                     "vs_floor": round(floor_ms / median, 4),
+                     "vs_floor": round(floor_ms / median, 4), "vs_lockstep": round(lockstep / median, 4),
                      **{f"{k}_cpu_ms": round(v, 3) for k, v in cpu_ms.items()},
                      "launches": " ".join(f"{v:.2f}" for v in values)})
     if csv_path:
@@ -331,7 +353,7 @@ def _launch(name: str, cmd: list[str], env: dict, copies: int = 1) -> tuple[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["single", "gradsync", "ddp"], default="gradsync")
+    parser.add_argument("--mode", choices=["single", "lockstep", "gradsync", "ddp"], default="gradsync")
     parser.add_argument("--model", choices=["mlp", "cnn", "transformer", "tensors"], default="mlp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
