@@ -21,21 +21,17 @@ result back into ``p.grad`` is not in the timeline and is not counted. The first
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 
+from train_step import source_trees
+
+from gradsync.timeline import load
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def load(path: str) -> list[dict]:
-    """The events of a timeline file (the writer may leave the closing bracket off)."""
-    with open(path) as f:
-        text = f.read().rstrip().rstrip(",")
-    return json.loads(text if text.endswith("]") else text + "]")
 
 
 def spans(events: list[dict]) -> tuple[list[tuple[float, float]], list[float]]:
@@ -71,15 +67,17 @@ def critical_path_ms(paths: list[str], skip: int) -> list[float]:
     return result
 
 
-def launch(ranks: int, model: str, steps: int, src: str | None, directory: str) -> list[str]:
-    """One ``train_step.py --mode gradsync`` job writing a timeline per rank; their paths."""
+def launch(ranks: int, model: str, steps: int, src: str | None, flags: list[str],
+           directory: str) -> list[str]:
+    """One ``train_step.py --mode gradsync`` job (with ``flags``) writing a timeline per rank;
+    their paths."""
     pattern = os.path.join(directory, "tl.{rank}.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", GRADSYNC_TIMELINE=pattern)
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     subprocess.run([mpiexec, "-n", str(ranks), sys.executable, os.path.join(HERE, "train_step.py"),
-                    "--mode", "gradsync", "--model", model, "--steps", str(steps)],
+                    "--mode", "gradsync", "--model", model, "--steps", str(steps), *flags],
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    timeout=600)
     return [pattern.format(rank=r) for r in range(ranks)]
@@ -92,25 +90,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--skip", type=int, default=5, help="steps left out at the start")
-    parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH",
-                        help="a src/ tree to run first on PYTHONPATH; repeat to compare versions")
+    parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH[:FLAGS]",
+                        help="a src/ tree to run first on PYTHONPATH (and train_step.py FLAGS), as "
+                             "train_step.py's --src; repeat to compare versions")
     args = parser.parse_args()
-    trees = [(label, os.path.abspath(path)) for label, _, path in (s.partition("=") for s in args.src)]
-    trees = trees or [("gradsync", None)]
-    results: dict[str, list[float]] = {label: [] for label, _ in trees}
+    trees = [(label or "gradsync", src, flags) for label, src, flags in source_trees(args.src)]
+    results: dict[str, list[float]] = {label: [] for label, _, _ in trees}
     for _ in range(args.repeats):
-        for label, src in trees:
+        for label, src, flags in trees:
             with tempfile.TemporaryDirectory() as directory:
                 results[label] += critical_path_ms(
-                    launch(args.ranks, args.model, args.steps, src, directory), args.skip)
+                    launch(args.ranks, args.model, args.steps, src, flags, directory), args.skip)
     print(f"{args.model}, {args.ranks} ranks, {args.repeats} launches x {args.steps} steps: ms from the "
           "last rank's backward end to the last rank's round end")
     print(f"{'tree':12s} {'steps':>6s} {'median':>7s} {'mean':>7s} {'p10':>7s} {'p90':>7s}")
     for label, values in results.items():
-        values.sort()
-        q = lambda p: values[int(p * (len(values) - 1))]  # noqa: E731
+        deciles = statistics.quantiles(values, n=10, method="inclusive")
         print(f"{label:12s} {len(values):6d} {statistics.median(values):7.2f} "
-              f"{statistics.mean(values):7.2f} {q(0.1):7.2f} {q(0.9):7.2f}")
+              f"{statistics.mean(values):7.2f} {deciles[0]:7.2f} {deciles[-1]:7.2f}")
 
 
 if __name__ == "__main__":
