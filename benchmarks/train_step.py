@@ -280,9 +280,9 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     here = os.path.abspath(__file__)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    floor = f"{ranks} singles at once"
+    floor, lockstep_row = f"{ranks} singles at once", LOCKSTEP.format(ranks=ranks)
     configs = [("single", ["--mode", "single"], False, env), (floor, ["--mode", "single"], ranks, env),
-               (LOCKSTEP.format(ranks=ranks), ["--mode", "lockstep"], True, env),
+               (lockstep_row, ["--mode", "lockstep"], True, env),
                ("ddp (gloo)", ["--mode", "ddp"], True, env)]
     for label, path, flags in trees:
         tree_env = env if path is None else dict(env, PYTHONPATH=os.pathsep.join(
@@ -307,10 +307,10 @@ def compare(ranks: int, repeats: int, steps: int, thresholds: list[int], model: 
     single = statistics.median(results["single"])
     floor_ms = statistics.median(results[floor])
     ddp = statistics.median(results["ddp (gloo)"])
-    lockstep = statistics.median(results[LOCKSTEP.format(ranks=ranks)])
+    lockstep = statistics.median(results[lockstep_row])
     print(f"\n{model}, {ranks} ranks, batch {BATCH} per rank, {optimizer_kind}, median of {repeats} "
           f"launches x {steps} steps; floor: {floor} (each one's median step, averaged); "
-          f"lockstep: {LOCKSTEP.format(ranks=ranks)}, a barrier after each backward")
+          f"lockstep: {lockstep_row}, a barrier after each backward")
     width = max(28, *map(len, results))
     print(f"{'configuration':{width}s} {'step ms':>8s} {'vs DDP':>7s} {'efficiency':>10s} {'vs floor':>8s}"
           f" {'vs lockstep':>11s}" + "".join(f" {k + ' CPU':>15s}" for k in CPU_COLUMNS))
