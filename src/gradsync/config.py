@@ -95,8 +95,9 @@ SETTINGS: tuple[Setting, ...] = (
         "When every rank of a process set runs on one host, a host allreduce of at least "
         "GRADSYNC_SHARED_MEMORY_THRESHOLD bytes runs through shared memory (a file in /dev/shm) instead of "
         "MPI_Allreduce (each rank reduces one slice, reading the others' data where it lies; about half "
-        "the memory traffic, see docs/benchmarks.md#shared-memory-allreduce-issue-25). This is each rank's segment "
-        "of that memory (larger buffers go through it in chunks); the file takes size x this many bytes "
+        "the memory traffic, see docs/benchmarks.md#shared-memory-allreduce-issue-25). This is each "
+        "rank's segment of that memory (larger buffers go through it in chunks); the file takes size x "
+        "this many bytes "
         "of /dev/shm. 0: always MPI_Allreduce. Must be the same on every rank.",
     ),
     Setting(
