@@ -102,3 +102,51 @@ def test_a_compression_reduces_every_gradient_alone(submitted):
     grads = grad_names(submitted)
     assert {"grad.0.bias", "grad.2.weight", "grad.2.bias"} <= set(grads), grads
     assert not [n for n in grads if n.startswith("grad.bucket.")], grads
+
+
+class Deep(torch.nn.Module):
+    """21 Linear(8, 8) layers (42 small gradients: several of the batches a bucket's gradients
+    are copied in by, and a remainder), and one layer no rank uses. Odd ranks skip layers 3 and
+    17, so their gradients come from even ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(21))
+        self.unused = torch.nn.Linear(8, 8)
+
+    def forward(self, x, r: int):
+        for i, layer in enumerate(self.layers):
+            if not (r % 2 and i in (3, 17)):
+                x = torch.tanh(layer(x))
+        return x
+
+
+def deep_grads(model: Deep, r: int) -> dict[str, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(40 + r)
+    x, y = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    torch.nn.functional.mse_loss(model(x, r), y).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_bucket_of_many_gradients_some_missing_on_some_ranks_averages_them(set_to_none):
+    """Every step's gradients equal the average of the ranks' own (zeros where a rank has none;
+    None where no rank has one), round after round, in one bucket of 42 gradients."""
+    model = Deep()
+    optimizer = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              named_parameters=model.named_parameters())
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        expected: dict[str, torch.Tensor] = {}
+        for r in range(gradsync.size()):
+            for name, grad in deep_grads(copy.deepcopy(model), r).items():
+                if grad is not None:
+                    expected[name] = expected.get(name, 0) + grad / gradsync.size()
+        deep_grads(model, gradsync.rank())
+        for name, p in model.named_parameters():
+            if name.startswith("unused."):
+                assert p.grad is None or not set_to_none and not p.grad.any(), name
+            else:
+                torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        optimizer.step()

@@ -84,11 +84,13 @@ class Layout:
     numel: int
     buffer: torch.Tensor | None = None
     views: tuple[torch.Tensor, ...] = ()
+    host: bool = True  # the buffer is in host memory (set by allocate())
 
     def allocate(self) -> torch.Tensor:
         if self.buffer is None:
             first = self.params[0]
             self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+            self.host = self.buffer.device.type == "cpu"
             self.views = tuple(_slot(self.buffer, o, p.shape)
                                for o, p in zip(self.offsets, self.params))
         return self.buffer

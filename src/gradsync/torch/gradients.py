@@ -67,6 +67,7 @@ class _Round:
     ready: dict[int, int] = field(default_factory=dict)  # group or bucket -> members handed
     resparsify: dict[torch.Tensor, int] = field(default_factory=dict)  # densified -> sparse_dim
     bucket_waits: dict[int, Callable[[], None]] = field(default_factory=dict)  # run in bucket order
+    staged: dict[int, list] = field(default_factory=dict)  # bucket -> (member, slot) copied in
     sparse_handed: bool = False  # a sparse gradient was handed over (else every handed one is dense)
 
 

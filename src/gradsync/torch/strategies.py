@@ -35,6 +35,8 @@ from .buckets import Bucket, Layout, cut_buckets, is_view
 from .comm_hooks import CommHook
 from .gradients import GradientReducer, HandedOver, Reduction, alias
 
+STAGE_BATCH = 16  # host gradients copied into their bucket together, as they are handed over
+
 
 class PerGradient(GradientReducer):
     """Each dense gradient allreduced alone, in place, as soon as its hook hands it over (the
@@ -90,7 +92,7 @@ class Buckets(PerGradient):
         super().__init__(reduction, rank, groups)
         self.hook = hook
         self.capacity = capacity
-        self.buckets: dict[torch.Tensor, Layout] = {}  # parameter -> its bucket
+        self.buckets: dict[torch.Tensor, tuple[Layout, int]] = {}  # parameter -> bucket, position
         self.layouts: list[Layout] = []
         self._members: dict[int, tuple[tuple[str, ...], tuple[torch.Size, ...]]] = {}  # names, shapes
         self._planned = False
@@ -109,22 +111,44 @@ class Buckets(PerGradient):
     def _add_buckets(self, params: list[torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> None:
         layouts = cut_buckets(params, self.capacity, groups, len(self.layouts))
         self.layouts += layouts
-        self.buckets.update((param, layout) for layout in layouts for param in layout.params)
+        self.buckets.update((param, (layout, i)) for layout in layouts
+                            for i, param in enumerate(layout.params))
         # What each round's Bucket says of its members, worked out once (not per gradient per round).
         self._members.update((layout.index, (tuple(self.names[p] for p in layout.params),
                                              tuple(p.shape for p in layout.params)))
                              for layout in layouts)
 
     def _ready(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
-        layout = self.buckets.get(param)
-        if layout is None:  # allreduced alone
+        slot = self.buckets.get(param)
+        if slot is None:  # allreduced alone
             if grad is not None and grad.layout == torch.strided:
                 self._allreduce(f"grad.{self.names[param]}", grad)
-        elif self._count_ready(layout.index, len(layout.params)):  # sparse: its slot holds zeros
+            return
+        layout, position = slot
+        if grad is not None and grad.layout == torch.strided:
+            self._stage(layout, position, param, grad)
+        if self._count_ready(layout.index, len(layout.params)):  # sparse: its slot holds zeros
             self._start_bucket(layout)
 
+    def _stage(self, layout: Layout, position: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Note a dense gradient for its bucket. In host memory it is copied into its slot now:
+        backward has just written it, so it is still in cache, and the bucket's start (on the
+        critical path when its last member is backward's last gradient) copies nothing. On a GPU
+        the bucket's start copies them all in one foreach copy (:meth:`_fill`), one launch
+        rather than one per gradient."""
+        if layout.buffer is None:
+            layout.allocate()
+        staged = self._round.staged
+        members = staged.get(layout.index)
+        if members is None:
+            members = staged[layout.index] = []
+        members.append((param, layout.views[position]))
+        if layout.host and len(members) % STAGE_BATCH == 0:
+            batch = members[-STAGE_BATCH:]
+            torch._foreach_copy_([view for _, view in batch], [param.grad for param, _ in batch])
+
     def _start_bucket(self, layout: Layout) -> None:
-        """Fill the bucket's buffer, then call the hook; its wait runs at the round's end."""
+        """Fill the rest of the bucket's buffer, then call the hook; its wait runs at the round's end."""
         buffer = layout.allocate()
         dense = self._fill(layout)
         names, shapes = self._members[layout.index]
@@ -136,23 +160,20 @@ class Buckets(PerGradient):
             self._wait_bucket, _InFlight(layout, bucket, dense, future), self._round.finishes)
 
     def _fill(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copy the members' dense gradients into their slots (zeros for the others); returns
-        (member, its slot) for the members with a dense gradient, in the bucket's order."""
-        dense = []
-        for param, view in zip(layout.params, layout.views):
-            grad = param.grad
-            if grad is None or grad.layout != torch.strided:  # none on any rank, or allgathered
-                view.zero_()
-            else:
-                dense.append((param, view))
-        if dense:
-            self._copy_in(dense)
+        """Zero the slots of the members without a dense gradient (none on any rank, or sparse:
+        allgathered) and copy in the dense ones not copied yet (:meth:`_stage`: the last batch,
+        or all of them on a GPU). Returns (member, its slot) for the members with a dense
+        gradient, in hand-over order."""
+        dense = self._round.staged.pop(layout.index, [])
+        rest = dense if not layout.host else dense[len(dense) - len(dense) % STAGE_BATCH:]
+        if rest:
+            torch._foreach_copy_([view for _, view in rest], [param.grad for param, _ in rest])
+        if len(dense) < len(layout.params):
+            copied = {id(view) for _, view in dense}
+            for view in layout.views:
+                if id(view) not in copied:
+                    view.zero_()
         return dense
-
-    def _copy_in(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each (member, slot)'s gradient into the slot: one foreach copy, not one op each (a
-        gradient already on the slot's memory is copied onto itself, which changes nothing)."""
-        torch._foreach_copy_([view for _, view in dense], [param.grad for param, _ in dense])
 
     def _wait_bucket(self, flight: _InFlight, finishes: list[Callable[[], None]]) -> None:
         result = flight.future.wait()
@@ -186,19 +207,28 @@ class BucketViews(Buckets):
     ``zero_grad(set_to_none=True)``, or a replaced ``p.grad``) is copied in once and ``p.grad``
     re-pointed at the view; the in-flight check then watches the views."""
 
-    def _fill(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        dense = super()._fill(layout)  # every member's accumulation into the buffer is done
-        self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p, _ in dense)
-        return dense
+    def _stage(self, layout: Layout, position: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Nothing yet: the bucket's start copies in what is not a view already (:meth:`_fill`)."""
 
-    def _copy_in(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy in the gradients that are not their slot's view (none when autograd accumulated
-        into the views), and re-point their ``p.grad`` at the view."""
+    def _fill(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zero the slots of the members without a dense gradient; copy in the dense gradients
+        that are not their slot's view (none when autograd accumulated into the views: one
+        foreach copy of the others), and re-point their ``p.grad`` at the view; the in-flight
+        check then watches the views. Returns (member, slot) for the dense ones, in bucket order."""
+        dense = []
+        for param, view in zip(layout.params, layout.views):
+            grad = param.grad
+            if grad is None or grad.layout != torch.strided:  # none on any rank, or allgathered
+                view.zero_()
+            else:
+                dense.append((param, view))
         copies = [(param, view) for param, view in dense if not is_view(param.grad, view)]
         if copies:
-            super()._copy_in(copies)
+            torch._foreach_copy_([view for _, view in copies], [param.grad for param, _ in copies])
         for param, view in copies:
             param.grad = view
+        self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p, _ in dense)
+        return dense
 
     def _copy_out(self, dense: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Nothing: the gradients are the buffer's views."""
