@@ -32,7 +32,8 @@ def mpi_library() -> str:
         mpi4py.rc.initialize = False  # this process only asks for the version string
     from mpi4py import MPI
 
-    return " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split())
+    # Open MPI ends the string with a NUL byte, which would make the CSV files binary to grep.
+    return " ".join(MPI.Get_library_version().replace("\0", "").splitlines()[0].replace("Version:", "").split())
 
 
 def _version(package: str) -> str:
