@@ -144,8 +144,7 @@ class Buckets(PerGradient):
             members = staged[layout.index] = []
         members.append((param, layout.views[position]))
         if layout.host and len(members) % STAGE_BATCH == 0:
-            batch = members[-STAGE_BATCH:]
-            torch._foreach_copy_([view for _, view in batch], [param.grad for param, _ in batch])
+            _copy_in(members[-STAGE_BATCH:])
 
     def _start_bucket(self, layout: Layout) -> None:
         """Fill the rest of the bucket's buffer, then call the hook; its wait runs at the round's end."""
@@ -167,7 +166,7 @@ class Buckets(PerGradient):
         dense = self._round.staged.pop(layout.index, [])
         rest = dense if not layout.host else dense[len(dense) - len(dense) % STAGE_BATCH:]
         if rest:
-            torch._foreach_copy_([view for _, view in rest], [param.grad for param, _ in rest])
+            _copy_in(rest)
         if len(dense) < len(layout.params):
             copied = {id(view) for _, view in dense}
             for view in layout.views:
@@ -224,7 +223,7 @@ class BucketViews(Buckets):
                 dense.append((param, view))
         copies = [(param, view) for param, view in dense if not is_view(param.grad, view)]
         if copies:
-            torch._foreach_copy_([view for _, view in copies], [param.grad for param, _ in copies])
+            _copy_in(copies)
         for param, view in copies:
             param.grad = view
         self._round.handed.update((p, HandedOver(p.grad, p.grad._version)) for p, _ in dense)
@@ -306,6 +305,11 @@ class _AdasumUpdate:
     compressed: torch.Tensor
     context: object
     before: torch.Tensor
+
+
+def _copy_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each (member, slot)'s gradient into the slot: one foreach copy, not one op each."""
+    torch._foreach_copy_([view for _, view in pairs], [param.grad for param, _ in pairs])
 
 
 @dataclass(frozen=True)
