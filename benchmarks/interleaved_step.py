@@ -36,6 +36,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -95,6 +96,16 @@ def run_step(config: Config, x, y, loss_fn) -> tuple[float, float, float, int]:
             resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 
+def alternate(configs: list, blocks: int, warmup: int, run: Callable) -> Iterator:
+    """Call ``run(config)`` ``warmup`` times for each configuration, then yield each configuration
+    once per block: in order in even blocks, reversed in odd ones (a drift falls on all alike)."""
+    for config in configs:
+        for _ in range(warmup):
+            run(config)
+    for block in range(blocks):
+        yield from (configs if block % 2 == 0 else configs[::-1])
+
+
 def paired_ratio(config: Config, reference: Config) -> float:
     """Median over blocks of (this configuration's block median / the reference's)."""
     return statistics.median(a / b for a, b in zip(config.block_medians, reference.block_medians))
@@ -134,27 +145,20 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size)
     configs = [build(name, args.model, comm, gradsync) for name in names]
-    _, sample_shape = train_step.build_model(args.model)
     torch.manual_seed(1 + rank)
-    x = (torch.randint(0, train_step.VOCAB, (train_step.BATCH, *sample_shape))
-         if args.model == "transformer" else torch.randn(train_step.BATCH, *sample_shape))
-    y = torch.randint(0, 10, (train_step.BATCH,))
+    x, y = train_step.sample_batch(args.model)
     loss_fn = torch.nn.CrossEntropyLoss()
-    for config in configs:
-        for _ in range(args.warmup):
-            run_step(config, x, y, loss_fn)
-    for block in range(args.blocks):
-        for config in (configs if block % 2 == 0 else configs[::-1]):
-            comm.Barrier()
-            steps = []
-            for _ in range(args.block_steps):
-                step, backward, cpu, faults = run_step(config, x, y, loss_fn)
-                config.faults.append(faults)
-                steps.append(step * 1e3)
-                config.backward_ms.append(backward * 1e3)
-                config.cpu_ms.append(cpu * 1e3)
-            config.step_ms += steps
-            config.block_medians.append(statistics.median(steps))
+    for config in alternate(configs, args.blocks, args.warmup, lambda c: run_step(c, x, y, loss_fn)):
+        comm.Barrier()
+        steps = []
+        for _ in range(args.block_steps):
+            step, backward, cpu, faults = run_step(config, x, y, loss_fn)
+            config.faults.append(faults)
+            steps.append(step * 1e3)
+            config.backward_ms.append(backward * 1e3)
+            config.cpu_ms.append(cpu * 1e3)
+        config.step_ms += steps
+        config.block_medians.append(statistics.median(steps))
     if "ddp" in names:
         torch.distributed.destroy_process_group()
     if rank != 0:

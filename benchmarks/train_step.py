@@ -76,6 +76,7 @@ VOCAB, TOKENS, D_MODEL = 1000, 16, 64  # the transformer's vocabulary, sequence 
 # The --compare row of N ranks each training alone but meeting at an MPI_Barrier after every
 # backward: what any synchronous data-parallel step costs before moving a byte.
 LOCKSTEP = "{ranks} ranks in lockstep"
+SAMPLE_SHAPES = {"cnn": (3, 32, 32), "transformer": (TOKENS,), "tensors": (4,), "mlp": (WIDTH,)}
 
 
 def build_model(kind: str):
@@ -88,16 +89,16 @@ def build_model(kind: str):
         for channels_in, channels_out in ((3, 32), (32, 64), (64, 128)):
             layers += [nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
         layers += [nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10)]
-        return nn.Sequential(*layers), (3, 32, 32)
+        return nn.Sequential(*layers), SAMPLE_SHAPES[kind]
     if kind == "transformer":
-        return _Transformer(), (TOKENS,)
+        return _Transformer(), SAMPLE_SHAPES[kind]
     if kind == "tensors":  # as many tensors as the transformer, almost no compute
-        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(145)], nn.Linear(4, 10)), (4,)
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(145)], nn.Linear(4, 10)), SAMPLE_SHAPES[kind]
     layers = []
     for _ in range(MODEL_LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     layers.append(nn.Linear(WIDTH, 10))
-    return nn.Sequential(*layers), (WIDTH,)
+    return nn.Sequential(*layers), SAMPLE_SHAPES["mlp"]
 
 
 def hook_options(comm_hook: str, bucket_view: str, powersgd_rank: int) -> dict:
@@ -136,6 +137,17 @@ def _Transformer():
     return Transformer()
 
 
+def sample_batch(kind: str, batch: int = BATCH):
+    """One batch for ``build_model(kind)`` from torch's current random state: (inputs, labels),
+    token ids for the transformer, else standard normal floats; labels in [0, 10)."""
+    import torch
+
+    shape = SAMPLE_SHAPES[kind]
+    x = (torch.randint(0, VOCAB, (batch, *shape)) if kind == "transformer"
+         else torch.randn(batch, *shape))
+    return x, torch.randint(0, 10, (batch,))
+
+
 def make_optimizer(kind: str, model):
     import torch
 
@@ -152,7 +164,7 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, sample_shape = build_model(model_kind)
+    model, _ = build_model(model_kind)
     rank = 0
     cuda = device == "cuda"
     if mode == "gradsync":
@@ -199,9 +211,7 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
         from mpi4py import MPI
 
         rank, barrier = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Barrier
-    x = (torch.randint(0, VOCAB, (batch, *sample_shape)) if model_kind == "transformer"
-         else torch.randn(batch, *sample_shape))
-    y = torch.randint(0, 10, (batch,))
+    x, y = sample_batch(model_kind, batch)
     if cuda:
         x, y = x.cuda(), y.cuda()
     loss_fn = torch.nn.CrossEntropyLoss()
