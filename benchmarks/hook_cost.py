@@ -71,7 +71,7 @@ def build(name: str, kind: str, gradsync, fusion_threshold: int) -> Config:
     import torch
 
     torch.manual_seed(0)
-    model, _ = train_step.build_model(kind)
+    model = train_step.build_model(kind)
     optimizer = train_step.make_optimizer("sgd", model)
     if name == "empty hook":
         for param in model.parameters():

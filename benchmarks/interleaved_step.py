@@ -64,7 +64,7 @@ def build(name: str, kind: str, comm, gradsync):
     import torch
 
     torch.manual_seed(0)
-    model, _ = train_step.build_model(kind)
+    model = train_step.build_model(kind)
     barrier = None
     if name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)

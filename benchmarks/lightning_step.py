@@ -28,7 +28,7 @@ import time
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from train_step import BATCH, build_model, make_optimizer
+from train_step import BATCH, build_model, make_optimizer, sample_batch
 
 import gradsync
 from gradsync.lightning import GradsyncStrategy
@@ -40,7 +40,7 @@ class Timed(L.LightningModule):
     def __init__(self, model_kind: str):
         super().__init__()
         torch.manual_seed(0)
-        self.net, _ = build_model(model_kind)
+        self.net = build_model(model_kind)
         self.ends: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -56,14 +56,8 @@ class Timed(L.LightningModule):
 
 def dataset(model_kind: str, steps: int) -> TensorDataset:
     """``steps`` batches of 32 per rank (all ranks' samples: Lightning shards them)."""
-    _, shape = build_model(model_kind)
     samples = steps * BATCH * gradsync.size()
-    generator = torch.Generator().manual_seed(1)
-    if model_kind == "transformer":
-        x = torch.randint(0, 1000, (samples, *shape), generator=generator)
-    else:
-        x = torch.randn(samples, *shape, generator=generator)
-    return TensorDataset(x, torch.randint(0, 10, (samples,), generator=generator))
+    return TensorDataset(*sample_batch(model_kind, samples, torch.Generator().manual_seed(1)))
 
 
 def lightning_steps(strategy, model_kind: str, data: TensorDataset, devices: int) -> list[float]:
@@ -80,7 +74,7 @@ def plain_steps(model_kind: str, data: TensorDataset) -> list[float]:
     """Step times (ms) of the same training with gradsync.DistributedOptimizer and no Lightning,
     fed as Lightning feeds it: a DataLoader over a shuffling DistributedSampler."""
     torch.manual_seed(0)
-    model, _ = build_model(model_kind)
+    model = build_model(model_kind)
     optimizer = gradsync.DistributedOptimizer(make_optimizer("sgd", model),
                                               named_parameters=model.named_parameters())
     gradsync.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -80,7 +80,7 @@ SAMPLE_SHAPES = {"cnn": (3, 32, 32), "transformer": (TOKENS,), "tensors": (4,), 
 
 
 def build_model(kind: str):
-    """The model and the shape of one input sample."""
+    """The model of ``kind`` (its input sample's shape: ``SAMPLE_SHAPES[kind]``)."""
     import torch
 
     nn = torch.nn
@@ -89,16 +89,16 @@ def build_model(kind: str):
         for channels_in, channels_out in ((3, 32), (32, 64), (64, 128)):
             layers += [nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
         layers += [nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10)]
-        return nn.Sequential(*layers), SAMPLE_SHAPES[kind]
+        return nn.Sequential(*layers)
     if kind == "transformer":
-        return _Transformer(), SAMPLE_SHAPES[kind]
+        return _Transformer()
     if kind == "tensors":  # as many tensors as the transformer, almost no compute
-        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(145)], nn.Linear(4, 10)), SAMPLE_SHAPES[kind]
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(145)], nn.Linear(4, 10))
     layers = []
     for _ in range(MODEL_LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     layers.append(nn.Linear(WIDTH, 10))
-    return nn.Sequential(*layers), SAMPLE_SHAPES["mlp"]
+    return nn.Sequential(*layers)
 
 
 def hook_options(comm_hook: str, bucket_view: str, powersgd_rank: int) -> dict:
@@ -137,15 +137,16 @@ def _Transformer():
     return Transformer()
 
 
-def sample_batch(kind: str, batch: int = BATCH):
-    """One batch for ``build_model(kind)`` from torch's current random state: (inputs, labels),
-    token ids for the transformer, else standard normal floats; labels in [0, 10)."""
+def sample_batch(kind: str, batch: int = BATCH, generator=None):
+    """One batch for ``build_model(kind)`` drawn from ``generator`` (a ``torch.Generator``; None:
+    torch's global random state): (inputs, labels), token ids for the transformer, else standard
+    normal floats; labels in [0, 10)."""
     import torch
 
     shape = SAMPLE_SHAPES[kind]
-    x = (torch.randint(0, VOCAB, (batch, *shape)) if kind == "transformer"
-         else torch.randn(batch, *shape))
-    return x, torch.randint(0, 10, (batch,))
+    x = (torch.randint(0, VOCAB, (batch, *shape), generator=generator) if kind == "transformer"
+         else torch.randn(batch, *shape, generator=generator))
+    return x, torch.randint(0, 10, (batch,), generator=generator)
 
 
 def make_optimizer(kind: str, model):
@@ -164,7 +165,7 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, _ = build_model(model_kind)
+    model = build_model(model_kind)
     rank = 0
     cuda = device == "cuda"
     if mode == "gradsync":
