@@ -66,7 +66,7 @@ def _timed(method, clock: list[float], index: int):
     return timed
 
 
-def build(name: str, kind: str, gradsync, fusion_threshold: int) -> Config:
+def build(name: str, kind: str, gradsync) -> Config:
     """The configuration ``name``: its own model with the seed-0 weights, and its optimizer."""
     import torch
 
@@ -78,7 +78,6 @@ def build(name: str, kind: str, gradsync, fusion_threshold: int) -> Config:
             param.register_post_accumulate_grad_hook(lambda param: None)
     config = Config(name, model, optimizer)
     if name == "gradsync":
-        gradsync.init(fusion_threshold=fusion_threshold)
         optimizer = config.optimizer = gradsync.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters())
         # The hooks call optimizer._gs_hook, and the callback is optimizer._gs_end_of_backward, both
@@ -117,10 +116,11 @@ def main() -> None:
     import gradsync
 
     torch.set_num_threads(1)
-    configs = [build(name, args.model, gradsync, args.fusion_threshold) for name in CONFIGS]
+    gradsync.init(fusion_threshold=args.fusion_threshold)
     if gradsync.size() != 1:
         raise SystemExit(f"hook_cost.py runs at 1 rank, got {gradsync.size()}: "
                          "use interleaved_step.py for several")
+    configs = [build(name, args.model, gradsync) for name in CONFIGS]
     parameters = sum(1 for _ in configs[0].model.parameters())
     torch.manual_seed(1)
     x, y = train_step.sample_batch(args.model)
