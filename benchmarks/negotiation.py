@@ -33,7 +33,7 @@ class CycleCounter:
     responses; not the data movement)."""
 
     def __init__(self) -> None:
-        from gradsync import runtime
+        from gradsync.process import runtime
 
         self.count = 0
         self.seconds = 0.0
@@ -61,7 +61,7 @@ def measure(tensor_counts: list[int], rounds: int, warmup: int, budget: float) -
     world = MPI.COMM_WORLD
     counter = CycleCounter()
     if world.Get_rank() == 0:
-        print(f"cache_capacity={gradsync.runtime.get().config.cache_capacity}", flush=True)
+        print(f"cache_capacity={gradsync.process.runtime.get().config.cache_capacity}", flush=True)
     for n in tensor_counts:
         arrays = [np.zeros(4, np.float32) for _ in range(n)]
         names = [f"negotiation.{n}.{i}" for i in range(n)]
@@ -106,8 +106,8 @@ def direct(tensor_counts: list[int], iterations: int) -> None:
     from mpi4py import MPI
 
     from gradsync.config import Config
-    from gradsync.negotiation import Negotiator
-    from gradsync.protocol import Kind, ReduceOp, Request
+    from gradsync.engine.negotiation import Negotiator
+    from gradsync.engine.protocol import Kind, ReduceOp, Request
 
     world = MPI.COMM_WORLD
     comm = world.Dup()

@@ -1,6 +1,6 @@
 /* The subset of the NCCL C API that gradsync calls, as a cffi cdef (ABI mode: no compiler needed).
  *
- * This file is read by src/gradsync/nccl.py and given to cffi.FFI.cdef(); it is not a compilable
+ * This file is read by src/gradsync/backends/nccl_loader.py and given to cffi.FFI.cdef(); it is not a compilable
  * header (no #include, no preprocessor conditionals). src/gradsync/nccl_api.h is a symbolic link
  * to it, so that wheels and sdists ship it inside the package (pyproject.toml package-data).
  *

@@ -138,7 +138,7 @@ EOF
 MPI_LABEL=""
 mpi_works() {  # mpi4py in the venv loads an MPI library (it need not start MPI for that)
     MPI_LABEL=$(PYTHONPATH=$ROOT/src "$VPY" -c \
-        'from gradsync import launch; print(launch.mpi_library(launch.import_mpi()).label)' 2>> "$INSTALL_LOG")
+        'from gradsync.process import launch; print(launch.mpi_library(launch.import_mpi()).label)' 2>> "$INSTALL_LOG")
 }
 
 no_nccl_in_venv() {
@@ -246,12 +246,12 @@ judge() {  # judge NAME PYTHON-CODE: the comparison with the reference; the code
 # ---- env -------------------------------------------------------------------------------------------
 step env 60 bash -c "nvidia-smi; \"$VPY\" - <<'EOF'
 import torch, mpi4py, gradsync
-from gradsync import launch
+from gradsync.process import launch
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0))
 print('mpi4py', mpi4py.__version__, launch.mpi_library(launch.import_mpi()).label)
 print('nccl_built', gradsync.nccl_built(), 'nccl_version', gradsync.nccl_version())
 if gradsync.nccl_built():
-    print('nccl_library', gradsync.nccl.load_library().path, gradsync.nccl.load_library().source)
+    print('nccl_library', gradsync.backends.nccl_api.load_library().path, gradsync.backends.nccl_api.load_library().source)
 try:
     import cupy
     print('cupy', cupy.__version__)

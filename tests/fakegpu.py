@@ -1,6 +1,6 @@
 """A fake GPU for CI: device arrays in host memory, streams that really run asynchronously.
 
-It implements gradsync's :class:`gradsync.device.DeviceRuntime` on numpy, so the coordinator's device
+It implements gradsync's :class:`gradsync.arrays.device.DeviceRuntime` on numpy, so the coordinator's device
 path (routing, fusion on the "device", events, the MPI staging backend, errors) runs without a GPU.
 Ordering is real, so a missing event wait is a wrong result, not a silent pass:
 
@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 import numpy as np
+from gradsync.arrays.adapter import TensorInfo
 
-from gradsync import dtypes
-from gradsync.tensors import TensorInfo
+from gradsync.arrays import dtypes
 
 
 class FakeStream:
@@ -115,7 +115,7 @@ class FakeAdapter:
 
 
 class FakeDevice:
-    """gradsync.device.DeviceRuntime on numpy and threads (see the module docstring)."""
+    """gradsync.arrays.device.DeviceRuntime on numpy and threads (see the module docstring)."""
 
     name = "fakegpu"
 
@@ -216,7 +216,7 @@ class FakeDevice:
 
     def copy(self, source: FakeArray, target: FakeArray, scale: float) -> None:
         def run():
-            from gradsync.memory import HOST
+            from gradsync.executors.memory import HOST
 
             HOST.copy(source.data, target.data, scale)
         self._current().enqueue("copy", run)

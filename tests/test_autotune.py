@@ -1,8 +1,8 @@
 """Autotune: the search order and choice with a fake clock. A tuned job that still trains exactly,
 with every rank on rank 0's choice: tests/parallel/test_training.py, variant autotune."""
 
-from gradsync import autotune
-from gradsync.autotune import CYCLE_TIMES, FUSION_THRESHOLDS, Autotuner
+from gradsync.engine import autotune
+from gradsync.engine.autotune import CYCLE_TIMES, FUSION_THRESHOLDS, Autotuner
 
 
 class FakeClock:

@@ -14,13 +14,13 @@ import time
 
 import numpy as np
 import pytest
+from gradsync.arrays.device import resolve_gpu_operations
 
 import fakegpu
 import gradsync
 from gradsync import CollectiveError, ReduceOp
 from gradsync.backends.nccl import traits as nccl_traits
 from gradsync.config import Config
-from gradsync.device import resolve_gpu_operations
 from mpi_launch import run_mpi
 
 
@@ -61,7 +61,7 @@ def test_gpu_operations_setting():
     ("int16", False, "int32"), ("int16", True, "int64"),            # NCCL has no int16
 ])
 def test_nccl_fusion_buffer_dtypes(dtype, average, expected):
-    from gradsync import dtypes
+    from gradsync.arrays import dtypes
 
     native = nccl_traits((2, 20, 0)).native
     assert dtypes.accumulator(dtype, average, native) == dtypes.NUMPY_DTYPES[expected]
@@ -122,7 +122,7 @@ class FakeNccl:
 def fake_nccl():
     gradsync.init(fusion_threshold=64)
     fake = FakeNccl()
-    gradsync.runtime.get().coordinator.device.backend = fake
+    gradsync.process.runtime.get().coordinator.device.backend = fake
     try:
         yield fake
     finally:
@@ -180,7 +180,7 @@ def test_an_async_nccl_error_stops_gradsync_with_the_error(fake_nccl, error, rai
     gradsync.synchronize(gradsync.allreduce_async_(tensor, name="stuck"))
     fake_nccl.error = error
     deadline = time.monotonic() + 10
-    coordinator = gradsync.runtime.get().coordinator
+    coordinator = gradsync.process.runtime.get().coordinator
     while coordinator.queue.closed_error is None and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(raised, match=f"GPU collectives failed: {error.split(' ')[0]}"):
@@ -230,7 +230,7 @@ def test_a_second_process_set_on_the_same_gpu_is_refused_with_nccl():
     gradsync.init(gpu_operations="nccl")
     try:
         fake = FakeNccl()
-        gradsync.runtime.get().coordinator.device.backend = fake
+        gradsync.process.runtime.get().coordinator.device.backend = fake
         gradsync.allreduce(fakegpu.array(np.ones(2, np.float32)), name="global")
         pairs = gradsync.add_process_set([0])
         with pytest.raises(ValueError, match=r"process set 0 already runs NCCL collectives on cuda:0"):
@@ -283,8 +283,8 @@ def test_torch_copies_match_the_host_copies(dtype, buffer_dtype, prescale, scale
     """Pack (copy with the prescale into a wider buffer) and unpack (floor-divide, copy with the
     scale into a strided tensor) through torch's primitives give numpy's results bit for bit."""
     torch = pytest.importorskip("torch")
-    from gradsync import dtypes
-    from gradsync.memory import HOST
+    from gradsync.arrays import dtypes
+    from gradsync.executors.memory import HOST
     from gradsync.torch.array import TORCH
     from gradsync.torch.device import DEVICE, torch_dtype
 

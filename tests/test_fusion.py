@@ -9,9 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gradsync import dtypes, fusion
-from gradsync.memory import HOST
-from gradsync.protocol import Kind, ReduceOp, Request, Response
+from gradsync.arrays import dtypes
+from gradsync.engine import fusion
+from gradsync.engine.protocol import Kind, ReduceOp, Request, Response
+from gradsync.executors import plan as planning
+from gradsync.executors.memory import HOST, FusionBuffers
 
 
 def request(name, count=10, dtype="float32", op=ReduceOp.Sum, prescale=1.0, postscale=1.0,
@@ -140,7 +142,7 @@ def test_the_default_threshold_fuses_a_megabyte():
 # ---- buffers, pack and unpack -----------------------------------------------------------------
 
 def test_fusion_buffers_are_reused_per_dtype_and_grown_on_demand():
-    buffers = fusion.FusionBuffers()
+    buffers = FusionBuffers()
     a = buffers.get(np.dtype(np.float32), 10)
     assert a.shape == (10,) and a.dtype == np.float32 and a.flags.c_contiguous
     b = buffers.get(np.dtype(np.float32), 5)
@@ -194,26 +196,26 @@ class Member:
 
 
 def context(rank=0, size=2, divisor=2, traits=None):
-    return fusion.Context(rank, size, divisor, HOST, traits or fusion.Traits())
+    return planning.Context(rank, size, divisor, HOST, traits or planning.Traits())
 
 
 def test_a_lone_contiguous_tensor_is_reduced_in_its_own_memory():
     x = np.ones(6, np.float32)
-    plan = fusion.plan(Response(Kind.ALLREDUCE, ("a",)), [Member(request("a", 6, op=ReduceOp.Sum), x)],
+    plan = planning.make_plan(Response(Kind.ALLREDUCE, ("a",)), [Member(request("a", 6, op=ReduceOp.Sum), x)],
                        context())
     assert plan.in_place and plan.packs == () and plan.unpacks == ()
     strided = np.ones(12, np.float32)[::2]
-    plan = fusion.plan(Response(Kind.ALLREDUCE, ("a",)), [Member(request("a", 6), strided)], context())
+    plan = planning.make_plan(Response(Kind.ALLREDUCE, ("a",)), [Member(request("a", 6), strided)], context())
     assert not plan.in_place and plan.dtype == np.float32  # packed into a fusion buffer
 
 
 def test_a_lone_float16_tensor_is_packed_into_float32_on_mpi_but_not_on_nccl():
     x = np.ones(4, np.float16)
     response = Response(Kind.ALLREDUCE, ("h",))
-    plan = fusion.plan(response, [Member(request("h", 4, dtype="float16"), x)], context())
+    plan = planning.make_plan(response, [Member(request("h", 4, dtype="float16"), x)], context())
     assert (plan.dtype, plan.in_place) == (np.float32, False)
-    nccl = fusion.Traits(frozenset(dtypes.SUPPORTED) - {"int16"}, frozenset(dtypes.FLOATING))
-    plan = fusion.plan(response, [Member(request("h", 4, dtype="float16"), x)], context(traits=nccl))
+    nccl = planning.Traits(frozenset(dtypes.SUPPORTED) - {"int16"}, frozenset(dtypes.FLOATING))
+    plan = planning.make_plan(response, [Member(request("h", 4, dtype="float16"), x)], context(traits=nccl))
     assert (plan.dtype, plan.in_place) == (np.float16, True)
 
 
@@ -227,7 +229,7 @@ def test_the_average_rule(dtype, divisor, averages, expected):
     post = 0.5 if dtype == "float32" else 1.0
     req = request("a", dtype=dtype, op=ReduceOp.Average, postscale=post)
     buffer = dtypes.accumulator(dtype, True)
-    got = fusion.reduction(req, buffer, divisor, 4, fusion.Traits(averages=averages))
+    got = planning.reduction(req, buffer, divisor, 4, planning.Traits(averages=averages))
     assert (got.send_op, got.scale, got.floor_divisor) == expected
 
 
@@ -237,7 +239,7 @@ def test_reducescatter_packs_rank_by_rank_and_receives_its_rows_of_every_member(
                       np.empty((1, 2))),
                Member(Request("g.1", Kind.REDUCESCATTER, 1, "float64", (4,), ReduceOp.Sum), b,
                       np.empty(2))]
-    plan = fusion.plan(Response(Kind.REDUCESCATTER, ("g.0", "g.1")), members, context(rank=1))
+    plan = planning.make_plan(Response(Kind.REDUCESCATTER, ("g.0", "g.1")), members, context(rank=1))
     # rank 0 gets rows 0-1 of a and 0-1 of b, rank 1 row 2 of a and rows 2-3 of b
     assert [(c.member, c.offset, c.count, c.rows) for c in plan.packs] == [
         (0, 0, 4, (0, 2)), (1, 4, 2, (0, 2)), (0, 6, 2, (2, 3)), (1, 8, 2, (2, 4))]
@@ -249,7 +251,7 @@ def test_a_grouped_allgather_unpacks_each_ranks_rows_of_each_member():
     members = [Member(Request("g.0", Kind.ALLGATHER, 0, "int64", (2, 3)), np.zeros((2, 3), np.int64)),
                Member(Request("g.1", Kind.ALLGATHER, 0, "int64", (1,)), np.zeros(1, np.int64))]
     response = Response(Kind.ALLGATHER, ("g.0", "g.1"), first_dims=((2, 1), (1, 4)))
-    plan = fusion.plan(response, members, context())
+    plan = planning.make_plan(response, members, context())
     assert plan.out_shapes == ((3, 3), (5,))
     assert plan.counts == (2 * 3 + 1, 1 * 3 + 4)
     assert [(c.member, c.offset, c.count, c.rows) for c in plan.unpacks] == [

@@ -54,7 +54,7 @@ def test_allreduce_of_many_tensors_through_fusion_every_dtype(world_of_one):
         assert result.is_cuda and result.dtype == expected.dtype
         want = (expected.double() * scale).to(expected.dtype)
         assert torch.equal(result.cpu(), want), (handle.name, result.cpu(), want)
-    assert gradsync.runtime.get().coordinator.device.backend.name == "NCCL"
+    assert gradsync.process.runtime.get().coordinator.device.backend.name == "NCCL"
 
 
 def test_synchronize_does_not_block_the_host(world_of_one):

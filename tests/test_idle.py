@@ -12,7 +12,7 @@ def test_idle_coordinator_runs_no_cycles():
     gradsync.init()
     try:
         gradsync.allreduce(np.ones(3), name="warm")
-        negotiator = gradsync.runtime.get().coordinator.negotiator
+        negotiator = gradsync.process.runtime.get().coordinator.negotiator
         before = negotiator.full_cycles + negotiator.cached_cycles
         time.sleep(0.3)  # 300 cycle times of 1 ms: a polling coordinator would have cycled
         assert negotiator.full_cycles + negotiator.cached_cycles == before

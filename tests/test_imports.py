@@ -6,7 +6,7 @@ and inside functions alike. Imports inside functions are counted too: none is ne
 circle today (the ones there defer a framework or MPI itself: ``gradsync.__getattr__`` importing
 ``gradsync.torch``, ``runtime.init`` importing the coordinator, which imports mpi4py.MPI, the
 NCCL backend loaded on first GPU use), so the rule is the strict one. An edge goes to the module
-named (``from . import dtypes`` is an edge to ``gradsync.dtypes``; ``from .ops import poll`` to
+named (``from . import dtypes`` is an edge to ``gradsync.arrays.dtypes``; ``from .ops import poll`` to
 ``gradsync.ops``); a package's ``__init__`` counts as the package's module, and importing a
 submodule is not counted as importing its parent package (Python runs the parent's
 ``__init__`` first, but the parent importing its children is how packages are built).
@@ -112,7 +112,7 @@ def test_import_gradsync_leaves_ml_dtypes_until_bfloat16_is_used():
     import subprocess
     import sys
 
-    code = ("import sys, numpy as np, gradsync\nfrom gradsync import dtypes\n"
+    code = ("import sys, numpy as np, gradsync\nfrom gradsync.arrays import dtypes\n"
             "before = 'ml_dtypes' in sys.modules\n"
             "print(before, dtypes.dtype_name(np.dtype(np.float32)), 'ml_dtypes' in sys.modules,\n"
             "      dtypes.dtype_name(dtypes.NUMPY_DTYPES['bfloat16']), 'ml_dtypes' in sys.modules)")

@@ -18,7 +18,7 @@ pytest.importorskip("optax")
 jnp = jax.numpy
 array = pytest.importorskip("gradsync.jax.array")
 
-from gradsync.arrays import adapter_for  # noqa: E402
+from gradsync.arrays.dispatch import adapter_for  # noqa: E402
 
 
 def test_the_host_view_of_a_cpu_jax_array_is_its_own_buffer_and_read_only():

@@ -1,4 +1,4 @@
-"""Launch diagnostics (gradsync.launch): launcher detection, the MPI library's identity, the decision
+"""Launch diagnostics (gradsync.process.launch): launcher detection, the MPI library's identity, the decision
 before MPI_Init, the world-of-1 check after it, and the start-up line.
 
 The environments below are what each launcher was observed to set (Slurm 22.05, Open MPI 5.0 and
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from gradsync.launch import (
+from gradsync.process.launch import (
     PMI,
     PMIX,
     Launcher,
@@ -24,7 +24,7 @@ from gradsync.launch import (
     parse_library_version,
     waiting_note,
 )
-from gradsync.libraries import loaded_library
+from gradsync.process.libraries import loaded_library
 from mpi_launch import REPO, WORKERS, flavour, mpiexec, reports, run_job, run_mpi
 
 OPEN_MPI = MpiLibrary("Open MPI", "5.0.11", frozenset({PMIX}), "/ompi/lib/libmpi.so.40")

@@ -1,4 +1,4 @@
-"""The NCCL binding (gradsync.nccl): loading, version, unique ids, errors, dtype/op mapping.
+"""The NCCL binding (gradsync.backends.nccl_api): loading, version, unique ids, errors, dtype/op mapping.
 
 Everything but the tests marked ``gpu`` runs without a GPU: NCCL loads, reports its version and makes
 unique ids on any machine; ncclCommInitRank then fails at once with "unhandled cuda error". Tests that
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 import gradsync
-from gradsync import nccl
+from gradsync.backends import nccl_api as nccl
+from gradsync.engine.protocol import ReduceOp
 from gradsync.errors import GradsyncError, NcclError, NcclUnavailableError
-from gradsync.libraries import loaded_library
-from gradsync.protocol import ReduceOp
+from gradsync.process.libraries import loaded_library
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A recent NCCL for the mapping tests, and one from before ncclAvg / bfloat16 (2.10).
@@ -73,7 +73,7 @@ def last_json(result: subprocess.CompletedProcess) -> dict:
 def test_library_loads_from_the_cu12_wheel():
     result = run_python("""
         import json
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
         lib = nccl.load_library()
         print(json.dumps({"source": lib.source, "path": lib.path, "same": nccl.load_library() is lib}))
     """)
@@ -133,7 +133,7 @@ def test_missing_GRADSYNC_NCCL_LIBRARY_is_an_error_naming_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "libnccl.so.2"
     result = run_python("""
         import json, gradsync
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
         try:
             nccl.load_library()
         except nccl.NcclUnavailableError as exc:
@@ -156,7 +156,7 @@ def test_without_cffi_nccl_is_reported_unavailable():
         import json, sys
         sys.modules["cffi"] = None   # import cffi now raises ImportError
         import gradsync
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
         try:
             nccl.load_library()
         except nccl.NcclUnavailableError as exc:
@@ -177,7 +177,7 @@ def test_GRADSYNC_NCCL_LIBRARY_that_is_not_a_library(tmp_path):
                          (Path(_cffi_backend.__file__), "loads but is not NCCL")):
         result = run_python("""
             import json
-            from gradsync import nccl
+            from gradsync.backends import nccl_api as nccl
             try:
                 print(json.dumps(f"loaded {nccl.load_library()}"))
             except nccl.NcclUnavailableError as exc:
@@ -193,7 +193,7 @@ def test_GRADSYNC_NCCL_LIBRARY_may_name_the_library_or_its_directory():
     for value in (str(path), str(path.parent)):
         result = run_python("""
             import json
-            from gradsync import nccl
+            from gradsync.backends import nccl_api as nccl
             lib = nccl.load_library()
             print(json.dumps({"source": lib.source, "path": lib.path, "version": lib.version}))
         """, GRADSYNC_NCCL_LIBRARY=value)
@@ -240,7 +240,7 @@ def test_an_nccl_already_loaded_in_the_process_is_taken_and_logged():
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         logging.getLogger("gradsync").setLevel(logging.INFO)
         ctypes.CDLL({path!r})
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
         lib = nccl.load_library()
         print(json.dumps({{"source": lib.source, "path": lib.path}}))
     """)
@@ -265,7 +265,7 @@ def test_the_binding_imports_no_framework():
     result = run_python("""
         import json, sys
         import gradsync
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
         gradsync.nccl_built()
         print(json.dumps(sorted(m for m in ("torch", "cupy", "jax", "tensorflow") if m in sys.modules)))
     """)
@@ -321,7 +321,7 @@ def test_check_raises_NcclError_with_NCCL_error_string():
 def test_comm_init_rank_without_a_gpu_raises_NcclError():
     result = run_python("""
         import json
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
         lib = nccl.load_library()
         try:
             comm = nccl.Communicator.init_rank(1, nccl.unique_id(), 0)

@@ -4,8 +4,8 @@ disagreement between ranks reports. Single process, no MPI: the cycles are fed b
 
 from __future__ import annotations
 
-from gradsync.negotiation import MessageTable
-from gradsync.protocol import Kind, RankMessage, ReduceOp, Request, Response
+from gradsync.engine.negotiation import MessageTable
+from gradsync.engine.protocol import Kind, RankMessage, ReduceOp, Request, Response
 
 
 def allreduce(name, rank, shape=(4,), dtype="float32", op=ReduceOp.Sum, prescale=1.0):

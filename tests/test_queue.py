@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
+from gradsync.engine.protocol import Kind, Request
+from gradsync.engine.request_queue import WAITING, Entry, TensorQueue
 from gradsync.handles import Handle
-from gradsync.protocol import Kind, Request
-from gradsync.queue import WAITING, Entry, TensorQueue
 
 LONG = 5.0  # seconds: a wait that is not ended early runs to this timeout
 

@@ -2,8 +2,8 @@
 tests/parallel/test_cached_negotiation.py."""
 
 
-from gradsync.protocol import Kind, ReduceOp, Request
-from gradsync.response_cache import Lookup, ResponseCache, iter_bits
+from gradsync.engine.protocol import Kind, ReduceOp, Request
+from gradsync.engine.response_cache import Lookup, ResponseCache, iter_bits
 
 
 def request(name, shape=(4,), rank=0, kind=Kind.ALLREDUCE):

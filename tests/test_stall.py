@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from gradsync.liveness import LivenessTiming
-from gradsync.stall_inspector import StallClock, StallInspector, heartbeat_interval
+from gradsync.engine.liveness import LivenessTiming
+from gradsync.engine.stall_inspector import StallClock, StallInspector, heartbeat_interval
 from mpi_launch import run_mpi
 
 

@@ -14,11 +14,9 @@ adapter is imported when one of its names is first used.
 from __future__ import annotations
 
 from . import metrics as metrics  # gradsync.metrics after `import gradsync` alone
-
-# Before anything can initialise MPI (no module here imports mpi4py.MPI): Open MPI told to yield the
-# core in blocking calls unless the user chose otherwise (gradsync/mpi_environment.py).
-from . import mpi_environment as _mpi_environment  # noqa: F401  (its import sets the variable)
+from .backends.nccl_api import nccl_built, nccl_version
 from .compression import Compression, Compressor
+from .engine.protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .errors import (
     CollectiveError,
     GradsyncError,
@@ -29,7 +27,6 @@ from .errors import (
     StallError,
 )
 from .handles import GroupHandle, Handle
-from .nccl import nccl_built, nccl_version
 from .ops import (
     allgather,
     allgather_async,
@@ -60,9 +57,11 @@ from .ops import (
     reducescatter_async,
     synchronize,
 )
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from .runtime import (
+
+# Before anything can initialise MPI (no module here imports mpi4py.MPI): Open MPI told to yield the
+# core in blocking calls unless the user chose otherwise (gradsync/process/mpi_environment.py).
+from .process import mpi_environment as _mpi_environment  # noqa: F401  (its import sets the variable)
+from .process.runtime import (
     cross_rank,
     cross_size,
     init,
@@ -73,6 +72,7 @@ from .runtime import (
     shutdown,
     size,
 )
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __version__ = "0.1.0"
 

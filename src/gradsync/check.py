@@ -7,7 +7,7 @@ Run it alone, or under the launcher you train with, with the same options::
     srun --mpi=pmix -n 8 python -m gradsync.check
 
 Rank 0 prints the MPI library and version, the launcher detected, and, when the two cannot work
-together, a FAIL line before MPI is started (:func:`gradsync.launch.diagnose`); then the thread
+together, a FAIL line before MPI is started (:func:`gradsync.process.launch.diagnose`); then the thread
 level, the rank layout per host (local and cross ranks, GPUs), whether NCCL, CuPy and torch are
 available, then runs a small allreduce, broadcast and allgather against the expected values and a
 bandwidth probe, and ends with ``PASS`` or ``FAIL: <reason>`` (exit status 0 or 1). Missing NCCL,
@@ -82,11 +82,11 @@ class Watchdog:
 # ---- libraries -----------------------------------------------------------------------------------
 
 def nccl_status() -> tuple[str, list[str]]:
-    """The NCCL that gradsync loads (:func:`gradsync.nccl.load_library`: GRADSYNC_NCCL_LIBRARY, one
-    already loaded by torch, the nvidia-nccl-cu12/cu13 wheels, the system): its version and file, or
+    """The NCCL that gradsync loads (:func:`gradsync.backends.nccl_api.load_library`: GRADSYNC_NCCL_LIBRARY,
+    one already loaded by torch, the nvidia-nccl-cu12/cu13 wheels, the system): its version and file, or
     "not found", plus the places that failed for a reason other than plain absence. Never raises."""
     try:
-        from gradsync import nccl
+        from gradsync.backends import nccl_api as nccl
 
         library = nccl.load_library()
     except Exception as exc:  # noqa: BLE001 - NcclUnavailableError, or a broken binding
@@ -280,7 +280,7 @@ def describe_library(report: Report, gs: Any, MPI: Any, library: Any) -> None:
 
 def describe_launch(report: Report, MPI: Any, launcher: Any, library: Any) -> str | None:
     """Report the thread level and the launcher once MPI runs; the launcher/MPI mismatch, if any."""
-    from gradsync.launch import launcher_mismatch
+    from gradsync.process.launch import launcher_mismatch
 
     world = MPI.COMM_WORLD
     level = MPI.Query_thread()
@@ -292,7 +292,7 @@ def describe_launch(report: Report, MPI: Any, launcher: Any, library: Any) -> st
 
 def describe_layout(report: Report, gs: Any, watchdog: Watchdog) -> list[str]:
     """Report the allreduce mode, the ranks per host and the GPU libraries; layout warnings."""
-    from gradsync import runtime
+    from gradsync.process import runtime
 
     report.line("allreduce", runtime.get().backend.describe())
     watchdog.enter("probing libraries")
@@ -346,7 +346,7 @@ def run_collectives(report: Report, gs: Any, watchdog: Watchdog, args: argparse.
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import gradsync as gs
-    from gradsync import launch
+    from gradsync.process import launch
 
     # Before MPI runs, only the launcher knows the ranks: its rank 0 alone prints, as rank 0 does later.
     launcher = launch.detect_launcher()

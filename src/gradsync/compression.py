@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .arrays import adapter_for
+from .arrays.dispatch import adapter_for
 
 
 class Compressor(Protocol):

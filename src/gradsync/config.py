@@ -44,7 +44,7 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected 1/0/true/false, got {text!r}")
 
 
-WAIT_POLICIES = ("sleep", "mpi")  # gradsync.waiting: how a rank waits in a negotiation exchange
+WAIT_POLICIES = ("sleep", "mpi")  # gradsync.engine.waiting: how a rank waits in a negotiation exchange
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(

@@ -35,11 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import runtime
 from .errors import GradsyncError, RankFailureError
 from .ops import broadcast_object
+from .process import runtime
+from .process.runtime import rank
 from .run import store
-from .runtime import rank
 
 __all__ = ["run", "State", "AttributesState", "HostsUpdatedInterrupt"]
 log = logging.getLogger("gradsync")

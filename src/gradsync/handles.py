@@ -37,7 +37,7 @@ class Handle:
         self._error: BaseException | None = None
         self._completion: tuple[Any, int, Any] | None = None  # (device runtime, device, done event)
         # Caller runs: the coordinator's run_for, which runs the cycles in the waiting thread if
-        # its coordinator is idle (None: the coordinator thread does; see gradsync.coordinator).
+        # its coordinator is idle (None: the coordinator thread does; see gradsync.engine.coordinator).
         self._runner: Callable[[Handle], None] | None = None
         # The queue's hurry: a thread waits, so the coordinator cycles without batching.
         self._hurry: Callable[[], None] | None = None

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from . import ops, runtime
-from .protocol import ReduceOp
+from . import ops
+from .engine.protocol import ReduceOp
+from .process import runtime
 
 __all__ = ["Metric", "allreduce_scalar", "average_scalars"]
 

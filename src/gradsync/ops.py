@@ -19,12 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from . import runtime
-from .device import device_kind
-from .handles import GroupHandle, Handle
-from .process_sets import ProcessSet, global_process_set
-from .protocol import Kind, ReduceOp, Request
-from .submission import (
+from .arrays.device import device_kind
+from .engine.protocol import Kind, ReduceOp, Request
+from .engine.submission import (
     Prepared,
     check_not_scalar,
     check_splits,
@@ -40,8 +37,11 @@ from .submission import (
     submit_grouped_reduction,
     submit_reduction,
 )
-from .submission import blocking as blocking  # re-exported: the adapters use ops.blocking
-from .submission import refusing_join as refusing_join  # and ops.refusing_join
+from .engine.submission import blocking as blocking  # re-exported: the adapters use ops.blocking
+from .engine.submission import refusing_join as refusing_join  # and ops.refusing_join
+from .handles import GroupHandle, Handle
+from .process import runtime
+from .process_sets import ProcessSet, global_process_set
 
 
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -51,7 +51,7 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
 
     Args:
         tensor: any shape (zero-size and non-contiguous included) and a dtype of
-            :data:`gradsync.dtypes.SUPPORTED`, in host memory or (a torch CUDA tensor, a CuPy array)
+            :data:`gradsync.arrays.dtypes.SUPPORTED`, in host memory or (a torch CUDA tensor, a CuPy array)
             on this rank's GPU; the same shape, dtype and kind of device on every rank. A device
             tensor is reduced on gradsync's CUDA stream: the handle completes when that work is
             enqueued, and synchronize() makes the caller's current stream wait for it
@@ -59,7 +59,7 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = ReduceO
         name: identifies the collective across ranks (see the module docstring).
         op: ``Average`` (default; integer tensors: floor of the mean), ``Sum``, ``Min``, ``Max``,
             ``Product``. bool tensors: Sum/Max are logical or, Min/Product logical and.
-            ``Adasum``: the adaptive sum of :mod:`gradsync.adasum` (floating-point host tensors,
+            ``Adasum``: the adaptive sum of :mod:`gradsync.executors.adasum` (floating-point host tensors,
             a power-of-two number of ranks).
         prescale_factor: multiplies the input before the reduction (floating dtypes only).
         postscale_factor: multiplies the result after it (floating dtypes only).

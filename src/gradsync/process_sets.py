@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from . import runtime
+from .process import runtime
 
 
 class ProcessSet:

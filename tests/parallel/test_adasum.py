@@ -1,7 +1,7 @@
 """op=Adasum: the recursive pairwise adaptive sum, against a numpy reference of the formula.
 
 The reference is written from the formula of Maleki et al. (MLSys 2021) and Horovod's
-docs/adasum_user_guide.rst, independently of gradsync.adasum: at level j every rank r combines its
+docs/adasum_user_guide.rst, independently of gradsync.executors.adasum: at level j every rank r combines its
 vector a with that of rank r ^ 2**j, b, into (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b,
 per tensor, in float64. Every rank knows every rank's input (seeded), so it computes the whole
 reduction alone. Runs at 3 ranks too, where Adasum must refuse.

@@ -5,7 +5,7 @@ inputs.
 
 Runs at the default capacity (1024), and again with 5 entries and with 1 (``VARIANTS``). Pins
 internals: the capacity and the negotiator's cycle counters are read from the running coordinator
-(``gradsync.runtime.get().coordinator.negotiator``); tests/test_response_cache.py tests the cache
+(``gradsync.process.runtime.get().coordinator.negotiator``); tests/test_response_cache.py tests the cache
 itself.
 """
 
@@ -26,7 +26,7 @@ VARIANTS = {
 
 @pytest.fixture
 def negotiator():
-    return gradsync.runtime.get().coordinator.negotiator
+    return gradsync.process.runtime.get().coordinator.negotiator
 
 
 def _capacity(negotiator) -> int:

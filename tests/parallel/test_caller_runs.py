@@ -15,7 +15,7 @@ import gradsync
 @pytest.fixture(params=[True, False], ids=["caller-runs", "coordinator-runs"])
 def caller_runs(request):
     """The session's coordinator with caller runs on or off (read when an op is submitted)."""
-    coordinator = gradsync.runtime.get().coordinator
+    coordinator = gradsync.process.runtime.get().coordinator
     before = coordinator.caller_runs
     coordinator.caller_runs = request.param
     yield request.param
@@ -25,7 +25,7 @@ def caller_runs(request):
 @pytest.fixture
 def cycle_threads(monkeypatch):
     """The names of the threads that ran this test's negotiation cycles, in order."""
-    coordinator = gradsync.runtime.get().coordinator
+    coordinator = gradsync.process.runtime.get().coordinator
     names: list[str] = []
     cycle = coordinator.cycle
 
@@ -91,7 +91,7 @@ def test_horovod_blocking_ops_are_submitted_as_the_callers_turn(caller_runs, mon
     torch = pytest.importorskip("torch")
     import gradsync.torch as hvd
 
-    queue = gradsync.runtime.get().coordinator.queue
+    queue = gradsync.process.runtime.get().coordinator.queue
     wakes: list[bool] = []
     push_all = queue.push_all
 

@@ -450,7 +450,7 @@ class _Recorder:
     of a group."""
 
     def __init__(self) -> None:
-        self.coordinator = gs.runtime.get().coordinator
+        self.coordinator = gs.process.runtime.get().coordinator
         self.executed: list[tuple[str, ...]] = []
         self._run = self.coordinator.execution.run
 
@@ -468,9 +468,9 @@ class _Recorder:
 
 def _group_entries(group: str, tensors: list[np.ndarray], rank: int) -> list:
     """The entries grouped_allreduce_ would queue, built by hand so they can be submitted apart."""
-    from gradsync.coordinator import Entry
+    from gradsync.engine.coordinator import Entry
+    from gradsync.engine.protocol import Kind, Request
     from gradsync.handles import Handle
-    from gradsync.protocol import Kind, Request
 
     return [Entry(Request(f"{group}.{i}", Kind.ALLREDUCE, rank, "float32", t.shape, Sum,
                           group=group, group_size=len(tensors)), Handle(f"{group}.{i}"), t, t, t)

@@ -19,7 +19,7 @@ from reference import (
 )
 
 import gradsync as gs
-from gradsync import dtypes
+from gradsync.arrays import dtypes
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")

@@ -18,7 +18,7 @@ CYCLE_TIME_MS = 2000.0  # long enough that batching and a delayed wait cannot be
 def slow_cycles(monkeypatch):
     """The session's coordinator with a 2 s cycle time, caller runs off, and the number of this
     rank's new requests in each of its cycles (in order)."""
-    coordinator = gradsync.runtime.get().coordinator
+    coordinator = gradsync.process.runtime.get().coordinator
     monkeypatch.setattr(coordinator, "caller_runs", False)
     gradsync.barrier()  # every rank's cycles before the change have ended
     monkeypatch.setattr(coordinator.negotiator, "cycle_time", CYCLE_TIME_MS)

@@ -11,7 +11,7 @@ import gradsync
 @pytest.fixture
 def tiny_mpi_counts():
     """Every MPI call of the host backend moves at most 7 elements (bytes for the byte-based calls)."""
-    backend = gradsync.runtime.get().coordinator.host.backend
+    backend = gradsync.process.runtime.get().coordinator.host.backend
     backend.max_count = 7
     yield
     del backend.max_count  # back to the class's 2**31 - 1

@@ -17,8 +17,8 @@ from mpi4py import MPI
 from reference import assert_no_framework_was_imported
 
 import gradsync
-from gradsync import dtypes
-from gradsync.fusion import split_rows
+from gradsync.arrays import dtypes
+from gradsync.engine.protocol import split_rows
 
 RANKS = (1, 2, 3, 4)
 # Each set's allreduce through its own shared memory, in chunks of one page (backends/shared.py).

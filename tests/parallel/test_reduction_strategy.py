@@ -1,5 +1,5 @@
 """DistributedOptimizer's arguments pick one reduction strategy, once, at construction
-(gradsync.torch.factory.pick_strategy): which one each combination gets, and that Adasum's
+(gradsync.torch.reducer.factory.pick_strategy): which one each combination gets, and that Adasum's
 registers no gradient hook. Pins an internal (``_gs_strategy``): the behaviour of each strategy is
 specified by test_optimizer.py, test_small_gradient_buckets.py, test_comm_hooks.py and
 test_adasum.py."""
@@ -43,7 +43,7 @@ def test_the_arguments_pick_one_strategy(kwargs, kind):
 
 
 def test_without_small_gradient_buckets_every_gradient_goes_alone(monkeypatch):
-    state = gradsync.runtime.get()
+    state = gradsync.process.runtime.get()
     monkeypatch.setattr(state, "config", dataclasses.replace(state.config, small_gradient_bytes=0))
     _, optimizer = wrapped()
     assert type(optimizer._gs_strategy).__name__ == "PerGradient"

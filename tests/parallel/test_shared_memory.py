@@ -23,9 +23,9 @@ from mpi4py import MPI
 from reference import all_inputs, assert_array, dtype_op_params, reference_allreduce
 
 import gradsync as gs
-from gradsync import runtime
 from gradsync.backends import shared
-from gradsync.protocol import ReduceOp
+from gradsync.engine.protocol import ReduceOp
+from gradsync.process import runtime
 
 RANKS = (1, 2, 3)  # 3: the fold in rank order past two ranks
 VARIANTS = {

@@ -48,7 +48,7 @@ def reference(model) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def submitted(monkeypatch):
     """The names of the collectives this rank submits, in order."""
-    queue = gradsync.runtime.get().coordinator.queue
+    queue = gradsync.process.runtime.get().coordinator.queue
     names: list[str] = []
     push_all = queue.push_all
 
@@ -84,7 +84,7 @@ def test_small_gradients_share_a_bucket_and_a_large_one_goes_alone(submitted):
 
 
 def test_with_the_size_0_every_gradient_goes_alone(submitted, monkeypatch):
-    state = gradsync.runtime.get()
+    state = gradsync.process.runtime.get()
     monkeypatch.setattr(state, "config", dataclasses.replace(state.config, small_gradient_bytes=0))
     train_one_backward(build())
     grads = grad_names(submitted)

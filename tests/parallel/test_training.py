@@ -14,7 +14,7 @@ import pytest
 from train_equivalence import Settings, train
 
 import gradsync
-from gradsync.autotune import CYCLE_TIMES, FUSION_THRESHOLDS
+from gradsync.engine.autotune import CYCLE_TIMES, FUSION_THRESHOLDS
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -76,7 +76,7 @@ class _Choices(logging.Handler):
 
 
 def test_autotune_ends_every_rank_on_rank_0s_choice_and_training_still_equals_one_process():
-    runtime = gradsync.runtime.get()
+    runtime = gradsync.process.runtime.get()
     if not runtime.config.autotune:
         pytest.skip("runs in the variant autotune (GRADSYNC_AUTOTUNE=1)")
     recorder = _Choices()

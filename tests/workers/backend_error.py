@@ -6,7 +6,7 @@ import numpy as np
 import gradsync
 
 gradsync.init()
-coordinator = gradsync.runtime.get().coordinator
+coordinator = gradsync.process.runtime.get().coordinator
 
 
 def failing_allreduce(buffer, op, logical=False):

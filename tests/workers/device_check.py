@@ -138,7 +138,7 @@ def check_the_communication_stream_keeps_the_tensors_alive():
 
 
 def check_every_rank_used_the_staging_backend():
-    backend = gs.runtime.get().coordinator.device.backend
+    backend = gs.process.runtime.get().coordinator.device.backend
     assert backend is not None and backend.name.startswith("MPI"), backend
 
 

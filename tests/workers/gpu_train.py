@@ -57,7 +57,7 @@ def main() -> None:
                 print(f"rank {rank}: step {step}: {name} differs by {(p - q).abs().max().item()}", flush=True)
                 MPI.COMM_WORLD.Abort(1)
                 sys.exit(1)
-    backend = gradsync.runtime.get().coordinator.device.backend
+    backend = gradsync.process.runtime.get().coordinator.device.backend
     print(f"gpu_train rank {rank}: {STEPS} steps equal ({backend.name}, {size} ranks)", flush=True)
     gradsync.shutdown()
 

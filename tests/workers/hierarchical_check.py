@@ -28,8 +28,9 @@ import numpy as np
 from mpi4py import MPI
 
 import gradsync as gs
-from gradsync import Average, Max, Min, Product, Sum, runtime
+from gradsync import Average, Max, Min, Product, Sum
 from gradsync.backends.mpi import MpiBackend
+from gradsync.process import runtime
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 PASSED = 0

@@ -34,7 +34,7 @@ FAULT_CYCLE = 5
 
 def inject_coordinator_fault() -> None:
     """Make the global set's coordinator of world rank VICTIM raise at its FAULT_CYCLE-th cycle."""
-    from gradsync.coordinator import Coordinator
+    from gradsync.engine.coordinator import Coordinator
 
     cycle, count = Coordinator.cycle, [0]
 
@@ -99,7 +99,7 @@ def training() -> None:
 def data() -> None:
     big = np.ones(32 << 20, np.float32)  # 128 MiB: the allreduce takes far longer than 2 ms
     if rank == VICTIM:
-        backend = gradsync.runtime.get().backend
+        backend = gradsync.process.runtime.get().backend
         real = backend.allreduce
 
         def dying_allreduce(buffer, op, logical=False):

@@ -11,7 +11,7 @@ import socket
 import sys
 
 import gradsync
-from gradsync import runtime
+from gradsync.process import runtime
 
 gradsync.init()
 # Every rank runs one collective, so a rank that is not part of the same job shows up as a hang.

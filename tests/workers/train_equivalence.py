@@ -59,7 +59,7 @@ class _Responses:
     coordinator's response execution (``Coordinator.execution``)."""
 
     def __init__(self) -> None:
-        self.execution = gradsync.runtime.get().coordinator.execution
+        self.execution = gradsync.process.runtime.get().coordinator.execution
         self.executed: list[tuple[str, ...]] = []
         run = self.execution.run
         self.execution.run = lambda responses, replied_ns: (

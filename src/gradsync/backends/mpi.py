@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..fusion import Traits
-from ..protocol import LOGICAL_OPS, ReduceOp
+from ..engine.protocol import LOGICAL_OPS, ReduceOp
+from ..executors.plan import Traits
 from .shared import SharedMemory
 
 _MPI_OPS = {
@@ -175,7 +175,7 @@ class MpiBackend:
     def sendrecv(self, send: np.ndarray, receive: np.ndarray, partner: int) -> None:
         """MPI_Sendrecv with rank ``partner``: ``send`` goes to it while its message of the same
         length arrives in ``receive`` (both contiguous 1-d, one dtype; chunked as :meth:`allreduce`).
-        Adasum's pairwise levels (:func:`gradsync.adasum.reduce`)."""
+        Adasum's pairwise levels (:func:`gradsync.executors.adasum.reduce`)."""
         for i, (out, into) in enumerate(zip(self._chunks(send), self._chunks(receive))):
             self.comm.Sendrecv(out, dest=partner, sendtag=i, recvbuf=into, source=partner, recvtag=i)
 

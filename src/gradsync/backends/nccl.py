@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes, nccl
-from ..device import DeviceRuntime
+from ..arrays import dtypes
+from ..arrays.device import DeviceRuntime
+from ..engine.protocol import ReduceOp
 from ..errors import NcclError
-from ..fusion import Traits
-from ..protocol import ReduceOp
+from ..executors.plan import Traits
+from . import nccl_api as nccl
 
 #: NCCL dtype names for moving bytes without arithmetic (broadcast, allgather), by item size.
 _COPY_DTYPES = {1: "uint8", 2: "float16", 4: "int32", 8: "int64"}

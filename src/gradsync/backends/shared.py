@@ -51,7 +51,7 @@ import secrets
 import numpy as np
 from mpi4py import MPI
 
-from ..protocol import LOGICAL_OPS, ReduceOp
+from ..engine.protocol import LOGICAL_OPS, ReduceOp
 
 log = logging.getLogger("gradsync")
 

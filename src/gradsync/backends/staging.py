@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceRuntime
-from ..fusion import FusionBuffers
-from ..protocol import ReduceOp
+from ..arrays.device import DeviceRuntime
+from ..engine.protocol import ReduceOp
+from ..executors.memory import FusionBuffers
 from .mpi import MpiBackend
 
 

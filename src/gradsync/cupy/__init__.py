@@ -1,4 +1,5 @@
-"""CuPy arrays: their :class:`gradsync.tensors.ArrayAdapter` and :class:`gradsync.device.DeviceRuntime`.
+"""CuPy arrays: their :class:`gradsync.arrays.adapter.ArrayAdapter` and
+:class:`gradsync.arrays.device.DeviceRuntime`.
 
 Imported when gradsync first sees a ``cupy.ndarray``; ``import gradsync`` never imports CuPy.
 Streams and events are ``cupy.cuda.Stream`` and ``cupy.cuda.Event``; host copies use
@@ -15,8 +16,8 @@ import cupy
 import cupyx
 import numpy as np
 
-from .. import dtypes
-from ..tensors import TensorInfo, register
+from ..arrays import dtypes
+from ..arrays.adapter import TensorInfo, register
 
 
 class CupyAdapter:
@@ -44,7 +45,7 @@ class CupyAdapter:
 
 
 class CupyDevice:
-    """cupy.cuda streams, events and arrays; see :class:`gradsync.device.DeviceRuntime`."""
+    """cupy.cuda streams, events and arrays; see :class:`gradsync.arrays.device.DeviceRuntime`."""
 
     name = "cupy"
 

@@ -1,6 +1,6 @@
-"""Executors: they run the plans of :mod:`gradsync.fusion` through one interface.
+"""Executors: they run the plans of :mod:`gradsync.engine.fusion` through one interface.
 
-The coordinator builds a :class:`~gradsync.fusion.FusionPlan` per response with the executor of
+The coordinator builds a :class:`~gradsync.executors.plan.FusionPlan` per response with the executor of
 the response's memory (:meth:`Executor.plan`) and hands it (or, for what the executor batches, a
 run of consecutive plans of one kind) to :meth:`Executor.run`. Each executor picks its
 implementation per collective kind from one table (the idea of Horovod's OperationManager):
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
-from ..fusion import FusionPlan
-from ..protocol import Kind, Response
+from ..engine.protocol import Kind, Response
+from .plan import FusionPlan
 
 
 class Executed(NamedTuple):

@@ -5,9 +5,9 @@ For every batch of device plans, on the thread running the coordinator's cycle:
 1. the device's *communication stream* (one per device, created on first use) waits on the event
    each tensor's submission recorded on the caller's stream, so packing starts only after the
    kernels that produced the data, without blocking the host;
-2. on that stream: :func:`gradsync.fusion.pack` into a device fusion buffer (a lone contiguous
+2. on that stream: :func:`gradsync.executors.plan.pack` into a device fusion buffer (a lone contiguous
    tensor is moved in its own memory), the backend (NCCL: every allreduce of the cycle in one
-   ncclGroupStart/End; MPI: staged through pinned host memory), :func:`gradsync.fusion.unpack`;
+   ncclGroupStart/End; MPI: staged through pinned host memory), :func:`gradsync.executors.plan.unpack`;
 3. record a *done* event on the stream and hand it to the handles: ``synchronize()`` makes the
    caller's current stream wait on it, so the host never blocks unless the user synchronizes.
 
@@ -27,15 +27,16 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import dtypes, fusion, nccl
+from ..arrays import dtypes
+from ..arrays.device import DeviceRuntime, resolve_gpu_operations
+from ..backends import nccl_api as nccl
 from ..backends.mpi import MpiBackend
-from ..device import DeviceRuntime, resolve_gpu_operations
+from ..engine.protocol import Kind, Response
 from ..errors import CollectiveError
-from ..fusion import FusionPlan
-from ..memory import DeviceMemory
-from ..protocol import Kind, Response
 from . import Executed
 from .device_watch import Clock, DeviceWatchdog, Outstanding, Timing
+from .memory import DeviceMemory, FusionBuffers
+from .plan import Context, FusionPlan, make_plan, pack, unpack
 
 log = logging.getLogger("gradsync")
 
@@ -95,7 +96,7 @@ class DeviceExecutor:
         self._streams: dict[int, Any] = {}
         # Device fusion buffers, keyed (runtime, device, dtype), allocated on the communication
         # stream (the only one using them), so reusing one next cycle is stream-ordered.
-        self._buffers = fusion.FusionBuffers(lambda key, count: key[0].empty(key[1], key[2], count))
+        self._buffers = FusionBuffers(lambda key, count: key[0].empty(key[1], key[2], count))
         self._clocks: dict[int, Clock] = {}
         self._watchdog: DeviceWatchdog | None = None
         self._table = {Kind.ALLREDUCE: self._allreduce, Kind.BROADCAST: self._broadcast,
@@ -167,8 +168,8 @@ class DeviceExecutor:
     def plan(self, response: Response, entries: list, divisor: int) -> FusionPlan:
         """See :meth:`gradsync.executors.Executor.plan`."""
         memory = DeviceMemory(entries[0].runtime, entries[0].device)
-        context = fusion.Context(self.rank, self.size, divisor, memory, self._backend().traits)
-        return fusion.plan(response, entries, context)
+        context = Context(self.rank, self.size, divisor, memory, self._backend().traits)
+        return make_plan(response, entries, context)
 
     def run(self, plans: list[FusionPlan]) -> Executed:
         """Enqueue ``plans`` (a batch of allreduces, or one broadcast or allgather) on the
@@ -206,14 +207,14 @@ class DeviceExecutor:
         with self._on_comm_stream(runtime, device, entries) as (stream, timing):
             buffers = self._fusion_buffers(runtime, device, plans)
             for plan, buffer in zip(plans, buffers):
-                fusion.pack(plan, memory, buffer)
+                pack(plan, memory, buffer)
             packed = timing.mark()
             backend.allreduce(runtime, device, stream, [(buffer, plan.dtype, plan.reduction.send_op,
                                                          plan.reduction.logical)
                                                         for plan, buffer in zip(plans, buffers)])
             reduced = timing.mark()
             for plan, buffer in zip(plans, buffers):
-                fusion.unpack(plan, memory, buffer)
+                unpack(plan, memory, buffer)
             spans = timing.spans([e.request.name for e in entries],
                                  [("MEMCPY_IN_FUSION_BUFFER", packed), ("ALLREDUCE", reduced),
                                   ("MEMCPY_OUT_FUSION_BUFFER", timing.mark())])
@@ -244,9 +245,9 @@ class DeviceExecutor:
         with self._on_comm_stream(runtime, device, [entry]) as (stream, timing):
             buffer = (runtime.flat(entry.target) if plan.in_place
                       else runtime.empty(device, plan.dtype, plan.count))
-            fusion.pack(plan, memory, buffer)
+            pack(plan, memory, buffer)
             backend.broadcast(runtime, device, stream, buffer, plan.dtype, plan.root)
-            fusion.unpack(plan, memory, buffer)
+            unpack(plan, memory, buffer)
             spans = timing.spans([entry.request.name], [("BROADCAST", timing.mark())])
             return self._finish(runtime, device, stream, [entry], [buffer], spans)
 
@@ -260,11 +261,11 @@ class DeviceExecutor:
         with self._on_comm_stream(runtime, device, entries) as (stream, timing):
             send = (runtime.flat(entries[0].source) if plan.in_place
                     else runtime.empty(device, plan.dtype, plan.count))
-            fusion.pack(plan, memory, send)
+            pack(plan, memory, send)
             receive = (runtime.flat(entries[0].target) if plan.received_in_output
                        else runtime.empty(device, plan.dtype, sum(plan.counts)))
             backend.allgather(runtime, device, stream, send, receive, plan.dtype, list(plan.counts))
-            fusion.unpack(plan, memory, receive)
+            unpack(plan, memory, receive)
             spans = timing.spans([e.request.name for e in entries], [("ALLGATHER", timing.mark())])
             return self._finish(runtime, device, stream, entries, [send, receive], spans)
 

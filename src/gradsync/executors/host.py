@@ -1,6 +1,6 @@
 """The host executor: plans of host (numpy) memory, run with blocking MPI collectives.
 
-An allreduce whose op is Adasum runs :func:`gradsync.adasum.reduce` (pairwise MPI_Sendrecv levels
+An allreduce whose op is Adasum runs :func:`gradsync.executors.adasum.reduce` (pairwise MPI_Sendrecv levels
 on the backend's communicator) in place of MPI_Allreduce, on the plan's float64 buffer.
 
 Only the thread running the coordinator's cycle calls it (it owns the backend's communicators).
@@ -15,12 +15,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import adasum, fusion
 from ..backends.mpi import MpiBackend
-from ..fusion import FusionPlan
-from ..memory import HOST
-from ..protocol import Kind, ReduceOp, Response
-from . import Executed
+from ..engine.protocol import Kind, ReduceOp, Response
+from . import Executed, adasum
+from .memory import HOST, FusionBuffers
+from .plan import Context, FusionPlan, make_plan, pack, unpack
 
 Phases = list[tuple[str, int]]
 
@@ -33,8 +32,8 @@ class HostExecutor:
     def __init__(self, backend: MpiBackend, rank: int, size: int) -> None:
         self.backend = backend
         self.rank, self.size = rank, size
-        self._buffers = fusion.FusionBuffers()
-        self._received = fusion.FusionBuffers()
+        self._buffers = FusionBuffers()
+        self._received = FusionBuffers()
         self._table: dict[Kind, Callable[[FusionPlan], Phases]] = {
             Kind.ALLREDUCE: self._allreduce, Kind.REDUCESCATTER: self._reducescatter,
             Kind.BROADCAST: self._broadcast, Kind.ALLGATHER: self._allgather,
@@ -42,8 +41,8 @@ class HostExecutor:
 
     def plan(self, response: Response, entries: list, divisor: int) -> FusionPlan:
         """See :meth:`gradsync.executors.Executor.plan`."""
-        context = fusion.Context(self.rank, self.size, divisor, HOST, self.backend.traits)
-        return fusion.plan(response, entries, context)
+        context = Context(self.rank, self.size, divisor, HOST, self.backend.traits)
+        return make_plan(response, entries, context)
 
     def run(self, plans: list[FusionPlan]) -> Executed:
         """See :meth:`gradsync.executors.Executor.run`; blocks until the data has moved."""
@@ -58,7 +57,7 @@ class HostExecutor:
 
     def _allreduce(self, plan: FusionPlan) -> Phases:
         buffer = self._send_buffer(plan, plan.entries[0].target)
-        fusion.pack(plan, HOST, buffer)
+        pack(plan, HOST, buffer)
         phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
         if plan.reduction.send_op == ReduceOp.Adasum:
             received = self._received.get(plan.dtype, plan.count)
@@ -66,45 +65,45 @@ class HostExecutor:
         else:
             self.backend.allreduce(buffer, plan.reduction.send_op, plan.reduction.logical)
         phases.append(("ALLREDUCE", time.perf_counter_ns()))
-        fusion.unpack(plan, HOST, buffer)
+        unpack(plan, HOST, buffer)
         if plan.unpacks:
             phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
         return phases
 
     def _reducescatter(self, plan: FusionPlan) -> Phases:
         send = self._send_buffer(plan, plan.entries[0].source)
-        fusion.pack(plan, HOST, send)
+        pack(plan, HOST, send)
         phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
         receive = self._received.get(plan.dtype, plan.counts[self.rank])
         self.backend.reducescatter(send, receive, list(plan.counts), plan.reduction.send_op,
                                     plan.reduction.logical)
         phases.append(("REDUCESCATTER", time.perf_counter_ns()))
-        fusion.unpack(plan, HOST, receive)
+        unpack(plan, HOST, receive)
         return phases + [("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns())]
 
     def _broadcast(self, plan: FusionPlan) -> Phases:
         buffer = self._send_buffer(plan, plan.entries[0].target)
-        fusion.pack(plan, HOST, buffer)
+        pack(plan, HOST, buffer)
         self.backend.broadcast(buffer, plan.root)
-        fusion.unpack(plan, HOST, buffer)
+        unpack(plan, HOST, buffer)
         return [("BROADCAST", time.perf_counter_ns())]
 
     def _allgather(self, plan: FusionPlan) -> Phases:
         _allocate(plan)
         send = self._send_buffer(plan, plan.entries[0].source)
-        fusion.pack(plan, HOST, send)
+        pack(plan, HOST, send)
         total = sum(plan.counts)
         receive = (HOST.flat(plan.entries[0].target) if plan.received_in_output
                    else self._received.get(plan.dtype, total))
         self.backend.allgather(send, receive, [n * plan.dtype.itemsize for n in plan.counts])
-        fusion.unpack(plan, HOST, receive)
+        unpack(plan, HOST, receive)
         return [("ALLGATHER", time.perf_counter_ns())]
 
     def _alltoall(self, plan: FusionPlan) -> Phases:
         entry = plan.entries[0]
         entry.result, entry.target = entry.allocate(plan.out_shapes[0], list(plan.rows))
         send = self._send_buffer(plan, entry.source)
-        fusion.pack(plan, HOST, send)
+        pack(plan, HOST, send)
         itemsize = plan.dtype.itemsize
         self.backend.alltoall(send, entry.target, [n * itemsize for n in plan.send_counts],
                                [n * itemsize for n in plan.counts])

@@ -1,6 +1,6 @@
 """jax.Array to and from the host memory the core moves; the core's adapter for jax arrays.
 
-Imported when gradsync first sees a jax array (``gradsync.arrays.adapter_for``) or when
+Imported when gradsync first sees a jax array (``gradsync.arrays.dispatch.adapter_for``) or when
 ``gradsync.jax`` is imported. Copies, measured with ``unsafe_buffer_pointer`` (tests/test_jax.py):
 
 * **In:** a jax array on the CPU is read where it lies: ``numpy.asarray`` of it is a read-only
@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import dtypes
-from ..tensors import TensorInfo, register
+from ..arrays import dtypes
+from ..arrays.adapter import TensorInfo, register
 
 ALIGNMENT = 64  #: bytes; the alignment XLA's CPU client needs to import a host buffer in place
 
@@ -94,7 +94,7 @@ def to_jax(results: list[np.ndarray], devices: list[jax.Device | None]) -> list[
 
 
 class JaxAdapter:
-    """jax.Array for the core ops (:class:`gradsync.arrays.ArrayAdapter`): a read-only host view
+    """jax.Array for the core ops (:class:`gradsync.arrays.dispatch.ArrayAdapter`): a read-only host view
     in, numpy buffers out (``gradsync.jax`` turns those into jax arrays)."""
 
     def info(self, x: Any) -> TensorInfo:

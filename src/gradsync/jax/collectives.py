@@ -32,11 +32,12 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from .. import dtypes, ops, runtime
-from ..fusion import split_rows
+from .. import ops
+from ..arrays import dtypes
+from ..engine.protocol import ReduceOp, split_rows
 from ..handles import Handle
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 from . import xla_ffi
 from .array import check_concrete, single_device, to_jax
 
@@ -347,7 +348,7 @@ def allreduce_async(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.
 
     Args:
         tree: a ``jax.Array``, or a pytree of them (numpy arrays allowed), each of a dtype of
-            :data:`gradsync.dtypes.SUPPORTED`, on one device; the same structure, shapes and
+            :data:`gradsync.arrays.dtypes.SUPPORTED`, on one device; the same structure, shapes and
             dtypes on every rank.
         name: identifies the collective across ranks; leaves are named ``<name><key path>``.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, with the dtype rules of

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 
 from .. import metrics
+from ..engine.protocol import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 from .collectives import allreduce, broadcast
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.protocol import ReduceOp
 from ..jax import grouped_allreduce as _grouped_allreduce
 from ..process_sets import ProcessSet
-from ..protocol import ReduceOp
 
 
 def grouped_allreduce(grads: list[Any], name: str, op: ReduceOp, process_set: ProcessSet) -> list[Any]:

@@ -11,8 +11,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from ..engine.protocol import ReduceOp
 from ..process_sets import ProcessSet
-from ..protocol import ReduceOp
 from ..tensorflow import grouped_allreduce as _grouped_allreduce
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.protocol import ReduceOp
 from ..process_sets import ProcessSet
-from ..protocol import ReduceOp
 from ..torch import grouped_allreduce as _grouped_allreduce
 
 

@@ -7,7 +7,8 @@ from numbers import Real
 
 import keras
 
-from .. import metrics, runtime
+from .. import metrics
+from ..process import runtime
 from .optimizer import broadcast_variables
 
 

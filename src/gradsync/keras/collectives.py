@@ -17,8 +17,8 @@ import numpy as np
 
 from .. import ops
 from ..compression import Compression, Compressor
+from ..engine.protocol import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 
 
 def _host(value: Any) -> np.ndarray:

@@ -18,10 +18,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from .. import ops, runtime
+from .. import ops
 from ..compression import CastCompressor, Compression, Compressor
+from ..engine.protocol import ReduceOp
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 
 #: Keras backend -> the gradsync module that reduces that backend's tensors inside its train step.
 BACKEND_MODULES = {"jax": "gradsync.keras._jax", "torch": "gradsync.keras._torch",

@@ -23,10 +23,9 @@ gradsync's own, re-exported under Horovod's names.
 
 from __future__ import annotations
 
+from ..engine.protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..ops import allgather_object, barrier, broadcast_object, join
-from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from ..protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from ..runtime import (
+from ..process.runtime import (
     cross_rank,
     cross_size,
     init,
@@ -37,6 +36,7 @@ from ..runtime import (
     shutdown,
     size,
 )
+from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from . import elastic, util
 from .basics import (
     ccl_built,

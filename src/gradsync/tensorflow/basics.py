@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .. import runtime
+from ..process import runtime
 
 
 def mpi_built() -> bool:

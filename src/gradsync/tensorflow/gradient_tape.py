@@ -17,9 +17,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from .. import runtime
+from ..engine.protocol import ReduceOp
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 from .compression import Compression
 from .mpi_ops import (
     Average,

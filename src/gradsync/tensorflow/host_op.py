@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ..engine.protocol import ReduceOp
 from ..errors import CollectiveError
 from ..handles import GroupHandle, Handle
-from ..protocol import ReduceOp
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 

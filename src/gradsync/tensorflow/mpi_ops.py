@@ -43,9 +43,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .. import ops, runtime
+from .. import ops
+from ..engine.protocol import ReduceOp
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 from .compression import Compression
 from .host_op import call_on_host, moved, restored, start_reduction, tf1_graph_number
 

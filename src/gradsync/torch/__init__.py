@@ -50,7 +50,6 @@ from .basics import (
     start_timeline,
     stop_timeline,
 )
-from .buckets import Bucket
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .compression import Compression
 from .functions import (
@@ -90,6 +89,7 @@ from .mpi_ops import (
 )
 from .optimizer import DistributedOptimizer
 from .powersgd import PowerSGD
+from .reducer.buckets import Bucket
 from .sync_batch_norm import SyncBatchNorm
 from .zero import ZeroRedundancyOptimizer
 

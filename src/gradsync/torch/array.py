@@ -1,12 +1,13 @@
-"""The :class:`gradsync.tensors.ArrayAdapter` for torch tensors (imported, and registered, on first use)."""
+"""The :class:`gradsync.arrays.adapter.ArrayAdapter` for torch tensors (imported, and registered, on first
+use)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .. import dtypes
-from ..tensors import TensorInfo, register
+from ..arrays import dtypes
+from ..arrays.adapter import TensorInfo, register
 
 _NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",

@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
-from .. import nccl, runtime
+from ..backends import nccl_api as nccl
+from ..engine.protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..errors import GradsyncError
-from ..process_sets import ProcessSet, add_process_set, global_process_set
-from ..process_sets import remove_process_set as _remove_process_set
-from ..protocol import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from ..runtime import (
+from ..process import runtime
+from ..process.runtime import (
     cross_rank,
     cross_size,
     is_initialized,
@@ -28,6 +27,8 @@ from ..runtime import (
     rank,
     size,
 )
+from ..process_sets import ProcessSet, add_process_set, global_process_set
+from ..process_sets import remove_process_set as _remove_process_set
 
 HorovodInternalError = GradsyncError
 """What Horovod raises when a collective fails: here every gradsync runtime error (a RuntimeError:

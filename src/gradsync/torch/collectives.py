@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from .. import ops, runtime
+from .. import ops
+from ..engine.protocol import ReduceOp
 from ..handles import GroupHandle, Handle
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 
 _INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 

@@ -1,11 +1,11 @@
 """Communication hooks: how one bucket of gradients is reduced, as a plug-in.
 
-A hook is any callable ``hook(bucket) -> future``: it receives a :class:`~gradsync.torch.buckets.Bucket`
-(the flat buffer of several gradients, their names, offsets and shapes, the op, the process set and
-the step), starts its collectives with gradsync's public asynchronous ops, and returns an object
-whose ``wait()`` returns a 1-D tensor of the buffer's size, dtype and device holding the reduced
-bucket (``bucket.op`` across ``bucket.process_set``): the buffer itself when the hook reduced it in
-place, or another tensor that gradsync copies in. A gradsync :class:`~gradsync.Handle` of an
+A hook is any callable ``hook(bucket) -> future``: it receives a
+:class:`~gradsync.torch.reducer.buckets.Bucket` (the flat buffer of several gradients, their names, offsets
+and shapes, the op, the process set and the step), starts its collectives with gradsync's public asynchronous
+ops, and returns an object whose ``wait()`` returns a 1-D tensor of the buffer's size, dtype and device
+holding the reduced bucket (``bucket.op`` across ``bucket.process_set``): the buffer itself when the hook
+reduced it in place, or another tensor that gradsync copies in. A gradsync :class:`~gradsync.Handle` of an
 in-place allreduce of the buffer is such an object. Same idea as DDP's ``register_comm_hook``;
 docs/comm-hooks.md shows how to write one.
 
@@ -24,7 +24,7 @@ import torch
 
 from .. import ops
 from ..compression import Compressor
-from .buckets import Bucket
+from .reducer.buckets import Bucket
 
 
 class Future(Protocol):

@@ -1,4 +1,4 @@
-"""The :class:`gradsync.device.DeviceRuntime` of torch CUDA tensors (imported on first use).
+"""The :class:`gradsync.arrays.device.DeviceRuntime` of torch CUDA tensors (imported on first use).
 
 Streams and events are ``torch.cuda.Stream`` and ``torch.cuda.Event``; device buffers are allocated
 by torch's caching allocator, and :meth:`TorchDevice.keep_alive` is ``Tensor.record_stream``.
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import dtypes
+from ..arrays import dtypes
 
 _TORCH_DTYPES = {np.dtype(np.float16): torch.float16,  # bfloat16: torch_dtype (no ml_dtypes import here)
                  np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
@@ -22,13 +22,13 @@ _TORCH_DTYPES = {np.dtype(np.float16): torch.float16,  # bfloat16: torch_dtype (
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype of a numpy dtype of :data:`gradsync.dtypes.NUMPY_DTYPES`."""
+    """The torch dtype of a numpy dtype of :data:`gradsync.arrays.dtypes.NUMPY_DTYPES`."""
     dtype = np.dtype(dtype)
     return torch.bfloat16 if dtypes.is_bfloat16(dtype) else _TORCH_DTYPES[dtype]
 
 
 class TorchDevice:
-    """torch.cuda streams, events and tensors; see :class:`gradsync.device.DeviceRuntime`."""
+    """torch.cuda streams, events and tensors; see :class:`gradsync.arrays.device.DeviceRuntime`."""
 
     name = "torch"
 

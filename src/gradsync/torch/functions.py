@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from .. import ops, runtime
+from .. import ops
 from ..ops import allgather_object, broadcast_object
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..engine.protocol import ReduceOp
 from ..handles import GroupHandle, Handle
 from ..ops import poll, synchronize
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 from . import basics as _basics
 from .alltoall import HorovodAlltoall, alltoall, alltoall_async
 from .basics import *  # noqa: F403 - Horovod's mpi_ops exports the basics too

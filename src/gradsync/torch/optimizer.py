@@ -1,12 +1,12 @@
 """``gradsync.DistributedOptimizer``: the function users call; it checks the arguments, picks the
 reduction strategy and wraps the optimizer in place.
 
-The pieces live along the seams of the design: :mod:`gradsync.torch.periods` (the optimizer mixin:
+The pieces live along the seams of the design: :mod:`gradsync.torch.reducer.periods` (the optimizer mixin:
 periods, hooks' bookkeeping, the end-of-backward wait, closures, step/zero_grad/synchronize),
-:mod:`gradsync.torch.strategies` (what one round submits: per gradient, small-gradient buckets,
-buckets with a hook, bucket views, Adasum deltas), :mod:`gradsync.torch.factory` (argument
-checks, :func:`~gradsync.torch.factory.pick_strategy`, the in-place wrap) and
-:mod:`gradsync.torch.parameter_check` (the first step's parameter comparison).
+:mod:`gradsync.torch.reducer.strategies` (what one round submits: per gradient, small-gradient buckets,
+buckets with a hook, bucket views, Adasum deltas), :mod:`gradsync.torch.reducer.factory` (argument
+checks, :func:`~gradsync.torch.reducer.factory.pick_strategy`, the in-place wrap) and
+:mod:`gradsync.torch.reducer.parameter_check` (the first step's parameter comparison).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import runtime
 from ..compression import Compression, Compressor
+from ..engine.protocol import ReduceOp
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
 from .comm_hooks import CommHook
-from .factory import (
+from .reducer.factory import (
     Arguments,
     check_arguments,
     check_hook,
@@ -28,7 +28,7 @@ from .factory import (
     pick_strategy,
     wrap_in_place,
 )
-from .periods import _DistributedOptimizer
+from .reducer.periods import _DistributedOptimizer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -53,7 +53,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     (cut once, in reverse parameter order per (device, dtype), as DDP's), and a bucket's last
     gradient starts one allreduce of the whole bucket, whose result is copied back (see
     ``comm_hook`` below for when each gradient goes alone, and the other reductions:
-    :mod:`gradsync.torch.strategies`). The backward pass that completes a step's gradients
+    :mod:`gradsync.torch.reducer.strategies`). The backward pass that completes a step's gradients
     waits for them before it returns (as DDP does), so code between ``backward()`` and ``step()`` (gradient
     clipping, norm logging, ``GradScaler.unscale_``) sees the averaged gradients; ``step()`` then
     runs the wrapped optimizer's step. With ``op=Average`` and equal per-rank batches, N ranks
@@ -88,7 +88,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (gradient accumulation); gradients are summed over the passes, as in plain PyTorch.
         op: ``Average`` (default) or ``Sum`` of the gradients across ranks, or ``Adasum``: then
             the wrapped optimizer steps on each rank's own gradients and the *updates* are
-            combined by Adasum (:class:`gradsync.torch.strategies.AdasumDeltas`; a power-of-two
+            combined by Adasum (:class:`gradsync.torch.reducer.strategies.AdasumDeltas`; a power-of-two
             number of ranks), as Horovod's Adasum optimizer; gradients stay this rank's own.
         gradient_predivide_factor: with Average, gradients are multiplied by 1/f before the sum and
             by f/size after it (to keep low-precision sums in range).

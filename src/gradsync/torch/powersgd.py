@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..protocol import ReduceOp
-from .buckets import Bucket
+from ..engine.protocol import ReduceOp
 from .comm_hooks import Future, allreduce_hook
+from .reducer.buckets import Bucket
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import ops
+from ..engine.protocol import Sum
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import Sum
 
 __all__ = ["SyncBatchNorm"]
 

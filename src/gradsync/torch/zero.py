@@ -1,9 +1,9 @@
 """ZeroRedundancyOptimizer: optimizer state sharded over the ranks (ZeRO stage 1).
 
 The parameters are laid out flat in buckets and each bucket is split evenly by element over the
-ranks (:func:`gradsync.torch.buckets.shard_plan`, DeepSpeed's ZeRO-1 partition): a parameter may
+ranks (:func:`gradsync.torch.reducer.buckets.shard_plan`, DeepSpeed's ZeRO-1 partition): a parameter may
 span owners, and each rank keeps optimizer state only for its elements. The periods, hooks and
-end-of-backward wait are DistributedOptimizer's (:mod:`gradsync.torch.periods`); the reduction is
+end-of-backward wait are DistributedOptimizer's (:mod:`gradsync.torch.reducer.periods`); the reduction is
 a strategy of its own, :class:`ShardReducer`:
 
 * during backward, each bucket is reduce-scattered as soon as its last gradient is ready: a
@@ -25,15 +25,16 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from .. import ops, runtime
+from .. import ops
 from ..compression import Compression
+from ..engine.protocol import ReduceOp
+from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from ..protocol import ReduceOp
-from .buckets import DEFAULT_SHARD_BUCKET_BYTES, Piece, ShardBucket, ShardPlan, shard_plan
-from .factory import wrap_in_place
 from .functions import _on_host
-from .gradients import GradientReducer, Reduction, call_all
-from .periods import _DistributedOptimizer
+from .reducer.buckets import DEFAULT_SHARD_BUCKET_BYTES, Piece, ShardBucket, ShardPlan, shard_plan
+from .reducer.factory import wrap_in_place
+from .reducer.gradients import GradientReducer, Reduction, call_all
+from .reducer.periods import _DistributedOptimizer
 from .zero_state import flat, merge_pieces, shard_tensor, slice_state
 
 DEFAULT_BUCKET_BYTES = DEFAULT_SHARD_BUCKET_BYTES
@@ -54,7 +55,7 @@ class ShardReducer(GradientReducer):
     Args:
         reduction: Average, no scaling or compression, sparse gradients densified.
         rank: this process's world rank, for messages.
-        bucket_bytes: the plan's bucket size (:func:`gradsync.torch.buckets.shard_plan`).
+        bucket_bytes: the plan's bucket size (:func:`gradsync.torch.reducer.buckets.shard_plan`).
     """
 
     def __init__(self, reduction: Reduction, rank: int, bucket_bytes: int) -> None:

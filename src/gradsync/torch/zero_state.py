@@ -1,7 +1,7 @@
 """ZeroRedundancyOptimizer's state between shards and the plain optimizer's format.
 
 A rank's wrapped optimizer steps over *shard tensors*: the parameter itself where the rank owns
-all of it, else a flat view of the elements it owns (:class:`gradsync.torch.buckets.Piece`). Its
+all of it, else a flat view of the elements it owns (:class:`gradsync.torch.reducer.buckets.Piece`). Its
 state (Adam's ``exp_avg``, a momentum buffer) is then shaped like the shard tensor. The plain
 optimizer's format keys each parameter's state by its index in the whole optimizer, shaped like
 the parameter: :func:`slice_state` cuts a rank's piece out of it, :func:`merge_pieces` puts the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import Piece
+from .reducer.buckets import Piece
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:

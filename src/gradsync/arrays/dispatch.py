@@ -1,0 +1,110 @@
+"""Framework-agnostic access to tensors: numpy arrays, torch tensors, any DLPack / array-API array.
+
+The core works on host (CPU) memory through numpy *views* that share memory with the caller's
+tensor, so in-place operations write straight into it. Tensors in GPU memory are handed to the
+coordinator as they are, with their framework's :class:`gradsync.arrays.device.DeviceRuntime`. An
+:class:`~gradsync.arrays.adapter.ArrayAdapter` per framework says how to get that view, the tensor's dtype,
+shape and device, and how to allocate and cast arrays of the same kind. numpy and DLPack arrays are
+handled here; the torch and CuPy adapters live in their own packages, which this dispatcher imports
+by name (:data:`ADAPTER_MODULES`) only when such an array is first seen, so the core never imports
+a deep-learning framework.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .adapter import ArrayAdapter, TensorInfo, registered
+
+#: The adapter module of each framework gradsync knows by name, imported on first sight of one of
+#: its arrays; importing it registers its adapter (:func:`gradsync.arrays.adapter.register`).
+# jax.Array (jaxlib's ArrayImpl) and jax's tracers live in jaxlib and jax.
+ADAPTER_MODULES = {"torch": "gradsync.torch.array", "cupy": "gradsync.cupy",
+                   "jax": "gradsync.jax.array", "jaxlib": "gradsync.jax.array"}
+
+__all__ = ["ADAPTER_MODULES", "ArrayAdapter", "DLPackAdapter", "NumpyAdapter", "TensorInfo",
+           "adapter_for"]
+
+
+class NumpyAdapter:
+    """numpy.ndarray: the view is the array itself."""
+
+    def info(self, x: np.ndarray) -> TensorInfo:
+        return TensorInfo(dtypes.dtype_name(x.dtype), tuple(x.shape), "cpu")
+
+    def host_view(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def empty(self, like: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return np.empty(shape, dtype=like.dtype)
+
+    def from_host(self, like: np.ndarray, array: np.ndarray) -> np.ndarray:
+        return array
+
+    def cast(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        return x.astype(dtypes.NUMPY_DTYPES[dtype])
+
+    def device_runtime(self, x: np.ndarray) -> None:
+        return None
+
+
+class DLPackAdapter:
+    """Any array with ``__dlpack__`` and ``__array_namespace__`` (array API standard), on the CPU."""
+
+    def info(self, x: Any) -> TensorInfo:
+        device_type, device_id = x.__dlpack_device__()
+        device = "cpu" if int(device_type) == 1 else f"dlpack:{int(device_type)}:{device_id}"
+        if device != "cpu":
+            return TensorInfo(str(x.dtype), tuple(x.shape), device)
+        return TensorInfo(dtypes.dtype_name(np.from_dlpack(x).dtype), tuple(x.shape), device)
+
+    def host_view(self, x: Any) -> np.ndarray:
+        return np.from_dlpack(x)
+
+    def empty(self, like: Any, shape: tuple[int, ...]) -> Any:
+        return like.__array_namespace__().empty(shape, dtype=like.dtype)
+
+    def from_host(self, like: Any, array: np.ndarray) -> Any:
+        return like.__array_namespace__().asarray(array)
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        namespace = x.__array_namespace__()
+        return namespace.astype(x, getattr(namespace, dtype))
+
+    def device_runtime(self, x: Any) -> None:
+        return None  # device arrays of other frameworks are refused by gradsync.ops
+
+
+_NUMPY = NumpyAdapter()
+_DLPACK = DLPackAdapter()
+
+
+def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
+    """The adapter for ``x``'s framework: numpy, one of :data:`ADAPTER_MODULES` (torch, CuPy, JAX:
+    imported on first sight, where they register themselves), an array type that names its own adapter in a
+    ``__gradsync_adapter__`` class attribute, or any DLPack/array-API array.
+
+    Raises:
+        TypeError: ``x`` is not an array gradsync can read (message names the tensor ``name``).
+    """
+    if isinstance(x, np.ndarray):
+        return _NUMPY
+    framework = type(x).__module__.partition(".")[0]
+    if framework in ADAPTER_MODULES:
+        adapter = registered(framework)
+        if adapter is None:
+            importlib.import_module(ADAPTER_MODULES[framework])  # registers it
+            adapter = registered(framework)
+        return adapter
+    own = getattr(type(x), "__gradsync_adapter__", None)
+    if own is not None:
+        return own
+    if hasattr(x, "__dlpack__") and hasattr(x, "__array_namespace__"):
+        return _DLPACK
+    label = f"tensor {name!r}" if name else "the tensor"
+    raise TypeError(f"gradsync: {label} is a {type(x).__module__}.{type(x).__qualname__}; expected a "
+                    f"numpy array, a torch tensor or an array-API array with __dlpack__")

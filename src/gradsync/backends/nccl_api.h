@@ -1,0 +1,1 @@
+../../../native/nccl_api.h

@@ -1,1 +1,0 @@
-../../native/nccl_api.h
