@@ -2,7 +2,7 @@
 that carry it.
 
 Step times and bandwidths move with the MPI library, the number of ranks per core and glibc's malloc
-settings (PERF-NOTES.md fact 9: the single-process step is 75 ms by default, 51 ms with
+settings (docs/performance-notes.md, fact 9: the single-process step is 75 ms by default, 51 ms with
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=-1``), so every CSV starts with ``# key: value`` lines
 that record them, and docs/benchmarks.md prints them beside each table.
 """

@@ -6,7 +6,7 @@ Each table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` mar
 replaced whole; everything outside the markers (the prose) is kept. A section whose markers are
 missing is appended at the end of the file (the file is created if it does not exist), and a
 section whose CSV files are missing is left as it is. Every table is followed by the environment it
-was measured in (PERF-NOTES.md fact 9: state the environment next to every ratio).
+was measured in (docs/performance-notes.md, fact 9: state the environment next to every ratio).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The MPI backend: collectives on host (numpy) buffers over the coordinator's own communicators.
 
 Only the coordinator thread calls it. Every call is a blocking MPI collective; mpi4py releases the
-GIL while it waits, so the training thread keeps running (PERF-NOTES.md, facts 1 and 2).
+GIL while it waits, so the training thread keeps running (docs/performance-notes.md, facts 1 and 2).
 
 Allreduce is flat (one ``MPI_Allreduce`` over all ranks) or, given the host topology, hierarchical:
 reduce onto local rank 0 over shared memory, allreduce among the hosts' local rank 0 processes over

@@ -10,12 +10,13 @@ A cycle (:meth:`Coordinator.cycle`):
 
 One owner at a time: the coordinator's state (pending entries, executors, communicators) is touched
 only by the thread running a cycle, which holds :attr:`Coordinator.lock`. That is the background
-thread, which sleeps on the queue's condition variable while there is nothing to do (no polling,
-PERF-NOTES.md fact 3), lets asynchronous requests that arrive within ``cycle_time`` ms of the last
-cycle gather into the next one (unless a thread waits for one: ``queue.hurry``, a blocking op),
-and cycles again after ``cycle_time`` ms while requests wait for other ranks; or, with
-``GRADSYNC_CALLER_RUNS`` (the default), a thread that waits for a host handle
-whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
+thread, which sleeps on the queue's condition variable while there is nothing to do (no
+polling, docs/performance-notes.md, fact 3), lets asynchronous requests that arrive within
+``cycle_time`` ms of the last cycle gather into the next one (unless a thread waits for one:
+``queue.hurry``, a blocking op), and cycles again after ``cycle_time`` ms while requests wait for
+other ranks; or, with caller runs (``GRADSYNC_CALLER_RUNS``, on by default but active only where
+rank failure detection is off, which by default means on one rank), a thread that waits for a
+host handle whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
 background thread is idle) it runs the cycles itself until its handle is done
 (:meth:`gradsync.engine.caller_runs.CallerRuns.run_for`), with no hand-off to the background thread and
 back. Both run the same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles

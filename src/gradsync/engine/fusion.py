@@ -57,7 +57,7 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
 
 def _pack_one_key(ready: list[Request], sizes: list[int], threshold: int) -> list[list[Request]]:
     """:func:`_pack` when every request has the same fusion key (the usual case: one dtype): the
-    same groups, without the per-key table (1000 requests per cycle, PERF-NOTES fact 7)."""
+    same groups, without the per-key table (1000 requests per cycle, docs/performance-notes.md, fact 7)."""
     groups: list[list[Request]] = []
     group: list[Request] = []
     total = 0

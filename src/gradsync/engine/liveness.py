@@ -3,7 +3,7 @@
 Every collective gradsync runs (a negotiation cycle, a data allreduce) includes every rank, so once a
 rank is gone each survivor's coordinator ends up blocked in one of them: within one idle heartbeat
 (:func:`gradsync.engine.stall_inspector.heartbeat_interval`), because an idle coordinator joins a cycle at
-least that often. The blocking calls themselves stay as they are (PERF-NOTES.md fact 2). A
+least that often. The blocking calls themselves stay as they are (docs/performance-notes.md, fact 2). A
 *watchdog* thread per rank looks at them from outside:
 
 * Every ``tick`` it wakes (an Event wait, not a busy loop), drains its own communicator, and checks

@@ -4,8 +4,8 @@ A rank that reaches a negotiation exchange first waits there for the others. Ins
 call that wait polls: Open MPI spins unless told to yield (``OMPI_MCA_mpi_yield_when_idle``), MPICH
 polls and calls ``sched_yield`` every ``MPIR_CVAR_POLLS_BEFORE_YIELD`` polls. Either way the waiting
 thread stays runnable, and on a machine whose cores all compute (every rank's training thread busy
-with backward) it takes time from the thread the other ranks are waiting for (PERF-NOTES.md facts 1
-and 11).
+with backward) it takes time from the thread the other ranks are waiting for
+(docs/performance-notes.md, facts 1 and 11).
 
 :func:`wait` instead starts the collective nonblocking, tests it for a short spin (the common case:
 the others are already there), then sleeps between tests, doubling the sleep up to a cap, so the

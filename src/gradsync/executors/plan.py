@@ -272,7 +272,7 @@ def pack(plan: FusionPlan, memory: Memory, buffer: Any) -> None:
 def unpack(plan: FusionPlan, memory: Memory, buffer: Any) -> None:
     """Copy the results from ``buffer`` into the members' outputs, finishing the reduction: an
     integer Average floor-divided, floating results scaled (postscale and divisor folded into the
-    copy, PERF-NOTES.md fact 6). Where the buffer is the output itself only the scale remains."""
+    copy, docs/performance-notes.md, fact 6). Where the buffer is the output itself only the scale remains."""
     finish = plan.reduction
     scale, floor_divisor = (finish.scale, finish.floor_divisor) if finish is not None else (1.0, 1)
     for copy in plan.unpacks:

@@ -21,7 +21,7 @@ def DistributedOptimizer(tx: Any, op: ReduceOp = ReduceOp.Average, name: str = "
     ``update(grads, state, params=None, **extra_args)`` averages the gradient pytree
     (:func:`gradsync.jax.allreduce`: each leaf a collective named ``<name><key path>``; the core
     reduces a leaf above the fusion threshold alone in its own memory, which inside jit is XLA's
-    buffer, and fuses the small ones; PERF-NOTES.md fact 4) and passes the result to
+    buffer, and fuses the small ones; docs/performance-notes.md, fact 4) and passes the result to
     ``tx.update``, compiled (``jax.jit(tx.update)``, so a call outside jit does not run the
     wrapped update op by op; extra args must then be arrays or pytrees of them). It works outside
     ``jax.jit`` and inside it (an in-place XLA custom call, the same on every rank), inside
