@@ -114,7 +114,8 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         The registered set (the same object if one was passed), with ``process_set_id`` set.
 
     Raises:
-        ValueError: a rank outside 0 .. size()-1; a set with these ranks is already registered;
+        ValueError: a rank outside 0 .. size()-1; another set with these ranks is already registered
+            (the global set excepted: a set of every rank is registered as a set of its own);
             the object is already registered; ranks that differ between ranks of the job (the message
             lists each rank's value).
         NotInitializedError: before ``init()``.
