@@ -29,7 +29,7 @@ class Handle:
         self.name = name
         # Completion: ``_done`` says it, ``_gate`` (a lock held from here until completion) is what
         # waiters block on. A bare lock costs a fraction of a threading.Event (a Condition and a
-        # lock per waiter), which every op used to pay for (docs/benchmarks.md, per-op cost).
+        # lock per waiter), a cost every op would pay (docs/benchmarks.md, per-op cost).
         self._done = False
         self._gate = _thread.allocate_lock()
         self._gate.acquire()

@@ -242,7 +242,7 @@ class Coordinator:
     def cycle(self) -> bool:
         """One negotiation cycle and the execution of its responses; False once this coordinator
         has stopped. The caller holds :attr:`lock` (any thread may, one at a time). The next
-        cycle without new work is timed from its end (:attr:`_last_cycle`), as it always was."""
+        cycle without new work is timed from its end (:attr:`_last_cycle`)."""
         try:
             return self._cycle()
         finally:

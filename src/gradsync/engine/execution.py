@@ -173,9 +173,8 @@ class ResponseExecution:
         are returned to the system (heap trimming) and the next backward page-faults them back
         in (+25 ms per step on the MLP of benchmarks/train_step.py, 14k faults). Released at the
         next cycle, which the next backward's first gradient starts, they are freed below the
-        new gradients and their pages are reused. The coordinator before the engine refactor
-        held them so by accident (a loop variable); docs/architecture.md, "Memory of completed
-        tensors"."""
+        new gradients and their pages are reused (docs/architecture.md, "Memory of completed
+        tensors")."""
         self._retired.extend(entries)
 
     def _failed(self, response: Response, entries: list[Entry], names: list[str],
