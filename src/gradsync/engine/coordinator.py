@@ -171,10 +171,9 @@ class Coordinator:
         for entry in entries:
             self._check_device(entry)
         host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
+        hurry, runner = self.queue.hurry, self.turns.run_for if self.turns.enabled and host else None
         for entry in entries:
-            entry.handle._hurry = self.queue.hurry
-            if self.turns.enabled and host:
-                entry.handle._runner = self.turns.run_for
+            entry.handle.on_wait(hurry, runner)
         mine = self.turns.mine()
         if mine and not host:  # device work and join() stay on the background thread
             self.turns.end_turn()
@@ -282,7 +281,7 @@ class Coordinator:
         cycle time paces the retries again."""
         if not self._pending:
             return self._heartbeat
-        if self._progressed and any(entry.handle._waited for entry in self._pending.values()):
+        if self._progressed and any(entry.handle.waited for entry in self._pending.values()):
             return 0.0
         return self.negotiator.cycle_time / 1000.0
 

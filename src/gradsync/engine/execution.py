@@ -161,7 +161,7 @@ class ResponseExecution:
         for (_, entries), divisor in zip(taken, divisors):
             for entry in entries:
                 completed(entry.request)
-                entry.handle._set_result(entry.result, completion, divisor)
+                entry.handle.complete(entry.result, completion, divisor)
             self._retire(entries)
         if self._autotuner is not None and first.kind == Kind.ALLREDUCE and completion is None:
             self._autotuner.record(sum(entry.source.nbytes for _, es in taken for entry in es))
@@ -190,7 +190,7 @@ class ResponseExecution:
             error.__cause__ = exc
         self._queue.finished(names)
         for entry in entries:
-            entry.handle._set_error(error)
+            entry.handle.fail(error)
         if error is not exc:
             raise exc
 
