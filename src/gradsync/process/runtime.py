@@ -70,6 +70,7 @@ class Runtime:
             0: ProcessSetState(None, self.coordinator, self.comm)}
         self._next_set_id = 1
         self.coordinator.neighbours = self._coordinators
+        self.coordinator.start()
         log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
                   self.local_rank, self.local_size, self.cross_rank, self.cross_size,
                   self.backend.describe())
@@ -170,6 +171,7 @@ class Runtime:
                                       world_ranks=list(process_set.ranks), process_set_id=ident,
                                       gpu_claims=self.gpu_claims)
             coordinator.neighbours = self._coordinators
+            coordinator.start()
         process_set.process_set_id = ident
         self.process_sets[ident] = ProcessSetState(process_set, coordinator, comm)
         return process_set
