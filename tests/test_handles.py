@@ -18,7 +18,7 @@ def test_a_pending_handle_times_out_and_stays_pending():
         handle.wait(0.05)
     assert time.monotonic() - start >= 0.04
     assert not handle.done()
-    handle._set_result(7)
+    handle.complete(7)
     assert handle.done() and handle.wait(0.0) == 7
 
 
@@ -34,7 +34,7 @@ def test_every_waiting_thread_gets_the_result():
         thread.start()
     time.sleep(0.05)
     assert results == [] and not handle.done()
-    handle._set_result("out")
+    handle.complete("out")
     for thread in threads:
         thread.join(10.0)
     assert results == ["out"] * 5
@@ -43,14 +43,14 @@ def test_every_waiting_thread_gets_the_result():
 
 def test_the_first_completion_wins():
     handle = Handle("x")
-    handle._set_error(CollectiveError("lost"))
-    handle._set_result("late")
+    handle.fail(CollectiveError("lost"))
+    handle.complete("late")
     for _ in range(2):
         with pytest.raises(CollectiveError, match="lost"):
             handle.wait(1.0)
     other = Handle("y")
-    other._set_result("first")
-    other._set_error(CollectiveError("late"))
+    other.complete("first")
+    other.fail(CollectiveError("late"))
     assert other.wait() == "first"
 
 
@@ -58,7 +58,38 @@ def test_a_group_returns_its_members_in_order():
     members = [Handle(f"g.{i}") for i in range(3)]
     group = GroupHandle("g", members)
     for i in (2, 0):
-        members[i]._set_result(i)
+        members[i].complete(i)
     assert not group.done()
-    members[1]._set_result(1)
+    members[1].complete(1)
     assert group.done() and group.wait(1.0) == [0, 1, 2]
+
+
+def test_a_wait_without_timeout_runs_the_cycles_through_the_runner_first():
+    handle, calls = Handle("x"), []
+
+    def runner(waited: Handle) -> None:  # caller runs: the cycles run here and complete it
+        calls.append("run")
+        waited.complete(5)
+
+    handle.on_wait(lambda: calls.append("hurry"), runner)
+    assert handle.wait() == 5
+    assert calls == ["run"] and not handle.waited  # done by the runner: nothing left to hurry
+
+
+def test_a_wait_with_a_timeout_hurries_the_queue_and_is_marked_waited():
+    handle, calls = Handle("x"), []
+    handle.on_wait(lambda: calls.append("hurry"), lambda waited: calls.append("run"))
+    threading.Timer(0.05, handle.complete, args=("late",)).start()
+    assert handle.wait(10.0) == "late"
+    assert calls == ["hurry"] and handle.waited  # a timed wait never runs the cycles itself
+    calls.clear()
+    assert handle.wait() == "late" and calls == []  # done: neither runs again
+
+
+def test_a_handle_that_is_done_is_never_hurried():
+    handle, calls = Handle("x"), []
+    handle.on_wait(lambda: calls.append("hurry"))
+    handle.fail(CollectiveError("gone"))
+    with pytest.raises(CollectiveError, match="gone"):
+        handle.wait()
+    assert calls == [] and not handle.waited

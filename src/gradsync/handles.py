@@ -23,7 +23,7 @@ class Handle:
     """
 
     __slots__ = ("name", "_done", "_gate", "_result", "_error", "_completion", "_runner", "_hurry",
-                 "_waited", "divisor")
+                 "waited", "divisor")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -36,14 +36,12 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._completion: tuple[Any, int, Any] | None = None  # (device runtime, device, done event)
-        # Caller runs: the coordinator's run_for, which runs the cycles in the waiting thread if
-        # its coordinator is idle (None: the coordinator thread does; see gradsync.engine.coordinator).
+        # What a wait for it unfinished does first (set by its coordinator, see on_wait).
         self._runner: Callable[[Handle], None] | None = None
-        # The queue's hurry: a thread waits, so the coordinator cycles without batching.
         self._hurry: Callable[[], None] | None = None
-        # True once a thread has waited for it unfinished: while it waits on other ranks, the
-        # coordinator negotiates again at once rather than after the cycle time.
-        self._waited = False
+        #: True once a thread has waited for it unfinished (set by :meth:`wait`): while it waits on
+        #: other ranks, its coordinator negotiates again at once rather than after the cycle time.
+        self.waited = False
         #: Once done: the Average divisor the coordinator decided for this collective (the set's
         #: size, or with ``GRADSYNC_JOIN_DIVISOR=contributors`` the ranks that had not joined;
         #: the same on every rank), for a framework layer that finishes an Average itself (the
@@ -53,6 +51,21 @@ class Handle:
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
         return self._done
+
+    def on_wait(self, hurry: Callable[[], None], runner: Callable[[Handle], None] | None = None) -> None:
+        """What a wait for this handle, unfinished, does before it blocks; set by the coordinator
+        when the collective is submitted.
+
+        Args:
+            hurry: tells the coordinator's queue that a thread waits (its next cycle is due at
+                once, without batching); called by every wait, after which :attr:`waited` is True.
+            runner: with caller runs, ``runner(handle)`` runs the coordinator's cycles in the
+                waiting thread if the coordinator is idle
+                (:meth:`gradsync.engine.caller_runs.CallerRuns.run_for`); called by a wait
+                without timeout. None: the coordinator's thread runs them.
+        """
+        self._hurry = hurry
+        self._runner = runner
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its output tensor.
@@ -75,7 +88,7 @@ class Handle:
         if timeout is None and self._runner is not None and not self._done:
             self._runner(self)
         if self._hurry is not None and not self._done:
-            self._waited = True
+            self.waited = True
             self._hurry()
         if not self._done and not self._pass_gate(timeout):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
@@ -94,8 +107,16 @@ class Handle:
             return True
         return self._done
 
-    def _set_result(self, result: Any, completion: tuple[Any, int, Any] | None = None,
-                    divisor: int = 0) -> None:
+    def complete(self, result: Any, completion: tuple[Any, int, Any] | None = None,
+                 divisor: int = 0) -> None:
+        """Finish with ``result`` (what :meth:`wait` returns), unless already finished: the first
+        completion or failure wins (the watchdog may fail a handle while its collective completes).
+
+        Args:
+            completion: for device tensors, (device runtime, device, event recorded after the
+                collective's work), which :meth:`wait` makes the caller's stream wait on.
+            divisor: the Average divisor the coordinator decided (:attr:`divisor`).
+        """
         with _COMPLETING:  # the first completion wins: the watchdog may fail a handle concurrently
             if not self._done:
                 self._result = result
@@ -104,7 +125,9 @@ class Handle:
                 self._done = True
                 self._gate.release()
 
-    def _set_error(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Finish with ``error`` (what :meth:`wait` raises), unless already finished (as
+        :meth:`complete`)."""
         with _COMPLETING:
             if not self._done:
                 self._error = error

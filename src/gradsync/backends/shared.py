@@ -88,26 +88,10 @@ def open_shared(comm: MPI.Comm, segment_bytes: int, threshold: int) -> SharedMem
     if len(set(comm.allgather((segment_bytes, threshold)))) > 1 or segment_bytes <= 0:
         return None
     segment_bytes = -(-segment_bytes // PAGE) * PAGE
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    if not comm.allreduce(local.Get_size() == size, op=MPI.LAND):
-        log.debug("gradsync: shared-memory allreduce off: the ranks are on several hosts")
-        local.Free()
+    local = _one_host(comm)
+    if local is None:
         return None
-    total = size * segment_bytes
-    mapped, problem = None, None
-    path = None
-    if local.Get_rank() == 0:
-        path = os.path.join(SHM_DIRECTORY, f"gradsync-{os.getpid()}-{secrets.token_hex(6)}")
-        try:
-            _create(path, total)
-        except OSError as exc:
-            problem, path = f"{path}: {exc}", None
-    path = local.bcast(path, root=0)
-    if path is not None:
-        try:
-            mapped = _map(path, total)
-        except OSError as exc:
-            problem = f"{path}: {exc}"
+    mapped, path, problem = _create_and_map(local, size * segment_bytes)
     everyone = comm.allreduce(mapped is not None, op=MPI.LAND)
     local.Barrier()  # every rank has mapped it (or failed): the name can go
     if local.Get_rank() == 0 and path is not None:
@@ -120,6 +104,37 @@ def open_shared(comm: MPI.Comm, segment_bytes: int, threshold: int) -> SharedMem
         local.Free()
         return None
     return SharedMemory(local, mapped, segment_bytes, threshold)
+
+
+def _one_host(comm: MPI.Comm) -> MPI.Comm | None:
+    """``comm``'s ``MPI.COMM_TYPE_SHARED`` split when it holds every rank of ``comm`` (they all run
+    on this host), else None; collective over ``comm``."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    if comm.allreduce(local.Get_size() == comm.Get_size(), op=MPI.LAND):
+        return local
+    log.debug("gradsync: shared-memory allreduce off: the ranks are on several hosts")
+    local.Free()
+    return None
+
+
+def _create_and_map(local: MPI.Comm, total: int) -> tuple[mmap.mmap | None, str | None, str | None]:
+    """Local rank 0 creates a file of ``total`` bytes in /dev/shm, every rank of ``local`` maps it
+    (collective over ``local``): (the mapping or None, the file's path or None if it could not be
+    created, why this rank has no mapping or None)."""
+    mapped, problem, path = None, None, None
+    if local.Get_rank() == 0:
+        path = os.path.join(SHM_DIRECTORY, f"gradsync-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            _create(path, total)
+        except OSError as exc:
+            problem, path = f"{path}: {exc}", None
+    path = local.bcast(path, root=0)
+    if path is not None:
+        try:
+            mapped = _map(path, total)
+        except OSError as exc:
+            problem = f"{path}: {exc}"
+    return mapped, path, problem
 
 
 def _create(path: str, nbytes: int) -> None:

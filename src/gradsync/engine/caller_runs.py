@@ -2,8 +2,8 @@
 
 :class:`CallerRuns` is an object the coordinator holds (:mod:`gradsync.engine.coordinator`, whose module
 docstring says when a caller may run cycles and why the result is the same whichever thread runs
-them), given what it needs explicitly: the coordinator's lock, queue, pending entries, device
-executor, and its cycle and crash handler.
+them), given what it needs explicitly: the coordinator's lock, its collaborators (queue, pending
+entries, device executor: :class:`gradsync.engine.parts.CycleParts`), its cycle and crash handler.
 """
 
 from __future__ import annotations
@@ -11,32 +11,30 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from ..handles import Handle
-from .request_queue import TensorQueue
+from .parts import CycleParts
 
 
 class CallerRuns:
     """The caller's turn at a coordinator's lock (``GRADSYNC_CALLER_RUNS``).
 
     Args:
-        enabled: whether callers may run cycles at all (off: every method but :meth:`mine` does
-            nothing, and a waiter waits on its handle).
+        parts: the coordinator's collaborators, of which it uses: the queue (woken when a turn ends
+            with requests left), the pending entries (read: whether requests are left), and the
+            device executor (once it has a device, ``device.device``, device work stays on the
+            background thread, and callers run no cycle).
         lock: the coordinator's lock, held by whichever thread runs a cycle.
-        queue: the coordinator's queue (woken when a turn ends with requests left).
-        pending: the coordinator's pending entries (read: whether requests are left).
-        device: the coordinator's device executor; once it has a device (``device.device``), device
-            work stays on the background thread, and callers run no cycle.
         cycle: the coordinator's cycle (False once it stopped); ``crashed(exc)``: its handler of a
             cycle that raised.
+        enabled: whether callers may run cycles at all (off: every method but :meth:`mine` does
+            nothing, and a waiter waits on its handle); settable.
     """
 
-    def __init__(self, enabled: bool, lock: threading.Lock, queue: TensorQueue, pending: dict,
-                 device: Any, cycle: Callable[[], bool],
-                 crashed: Callable[[BaseException], None]) -> None:
+    def __init__(self, parts: CycleParts, *, lock: threading.Lock, cycle: Callable[[], bool],
+                 crashed: Callable[[BaseException], None], enabled: bool) -> None:
         self.enabled = enabled
-        self._lock, self._queue, self._pending, self._device = lock, queue, pending, device
+        self._lock, self._queue, self._pending, self._device = lock, parts.queue, parts.pending, parts.device
         self._cycle, self._crashed = cycle, crashed
         self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
 

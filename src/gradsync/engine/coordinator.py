@@ -51,6 +51,7 @@ from .autotune import Autotuner
 from .caller_runs import CallerRuns
 from .execution import ResponseExecution
 from .negotiation import Negotiator
+from .parts import CycleParts, SetPlace
 from .protocol import CycleReply, Kind
 from .request_queue import Entry, ErrorType, TensorQueue
 from .stall_inspector import StallClock, heartbeat_interval, pending_ages
@@ -58,72 +59,81 @@ from .stall_inspector import StallClock, heartbeat_interval, pending_ages
 log = logging.getLogger("gradsync")
 
 
-
 class Coordinator:
     """The coordinator of one process set; see the module docstring.
 
-    It holds two collaborators, each given what it uses explicitly: :attr:`execution` (a
-    :class:`~gradsync.engine.execution.ResponseExecution`: a cycle's responses planned, run and
-    completed) and :attr:`turns` (a :class:`~gradsync.engine.caller_runs.CallerRuns`: a waiting caller's
-    turn at running cycles, which the ops take through ``coordinator.turns``).
+    Built in one piece, started by :meth:`start`: the constructor starts no thread. It holds two
+    helpers, each given what it uses explicitly (:mod:`gradsync.engine.parts`): :attr:`execution`
+    (a :class:`~gradsync.engine.execution.ResponseExecution`: a cycle's responses planned, run and
+    completed) and :attr:`turns` (a :class:`~gradsync.engine.caller_runs.CallerRuns`: a waiting
+    caller's turn at running cycles, which the ops take through ``coordinator.turns``).
 
     Args:
         comm: its communicator (negotiation); ``backend`` moves host data (default: an MpiBackend
-            on ``comm``). Both belong to the coordinator alone from now on.
+            on ``comm``). Both belong to the coordinator alone from now on. Collective over
+            ``comm``: every member builds its coordinator at the same point.
         world_ranks: for a process set other than the global one, ``world_ranks[i]`` is the world
             rank of the set's rank ``i`` (messages name world ranks); ``process_set_id`` its id.
         gpu_claims: the process's :class:`~gradsync.executors.device.GpuClaims`.
     """
 
-    def __init__(self, comm, config: Config, backend: MpiBackend | None = None,
+    def __init__(self, comm, config: Config, *, backend: MpiBackend | None = None,
                  world_ranks: list[int] | None = None, process_set_id: int = 0,
                  gpu_claims: GpuClaims | None = None) -> None:
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()  # within this coordinator's set
-        self.world_ranks = world_ranks
-        self.world_rank = self._world(self.rank)
-        self.process_set_id = process_set_id
+        place = self.place = SetPlace.of(comm, world_ranks, process_set_id)
+        self.comm, self.rank, self.size = comm, place.rank, place.size  # within this coordinator's set
+        self.world_ranks, self.process_set_id, self.world_rank = world_ranks, process_set_id, place.world_rank
         # The coordinators of this rank's other process sets (the runtime sets it), for stall reports.
         self.neighbours: Callable[[], list[Coordinator]] = list
         self.lock = threading.Lock()  # held by the thread running a cycle
         self._last_cycle = time.monotonic()  # when the last cycle ended (any thread)
-        self.queue = TensorQueue(self.world_rank)
-        check_shared(comm, config)
-        self.negotiator = Negotiator(comm, config, process_set_id, world_ranks)
         self._pending: dict[str, Entry] = {}
         self._progressed = False  # the last cycle took new requests or ran collectives
-        failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
-        # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
-        # is inside a blocking MPI call would leave that thread blocked for good, where the
-        # watchdog's verdict can fail only threads that wait on a handle (docs/architecture.md).
-        caller_runs = config.caller_runs and failure_timeout == 0
-        self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
         # (time.monotonic() at entry, what) while inside a negotiation; read by the watchdog, with
         # the execution's own while inside a collective (:attr:`busy`).
         self._negotiating: tuple[float, object] | None = None
+        parts = self._build_parts(config, backend, gpu_claims)
+        failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
+        self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
         self._stall_clock = StallClock(config.stall_check_time_seconds,
                                        config.stall_shutdown_time_seconds)
-        self._autotuner = None
-        if config.autotune and self.rank == 0:
-            self._autotuner = Autotuner(config.fusion_threshold, config.cycle_time,
-                                        config.autotune_window)
-        self.timeline = open_for(config.timeline, process_set_id, self.world_rank)
+        self._autotuner = _autotuner(config, self.rank)
+        self.execution = ResponseExecution(parts, place, join_divisor=config.join_divisor,
+                                           autotuner=self._autotuner, timeline=self.timeline)
+        # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
+        # is inside a blocking MPI call would leave that thread blocked for good, where the
+        # watchdog's verdict can fail only threads that wait on a handle (docs/architecture.md).
+        # The cycle is looked up at each call, so that a wrapper set on the coordinator sees the
+        # caller's cycles too (tests/parallel/test_caller_runs.py records which thread ran them).
+        self.turns = CallerRuns(parts, lock=self.lock, cycle=lambda: self.cycle(), crashed=self._crashed,
+                                enabled=config.caller_runs and failure_timeout == 0)
+        self._watchdog = liveness.watchdog_for(comm, failure_timeout, self._heartbeat, lambda: self.busy,
+                                               self._lost, world_ranks)
+        self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
+
+    def _build_parts(self, config: Config, backend: MpiBackend | None,
+                     gpu_claims: GpuClaims | None) -> CycleParts:
+        """The queue, negotiator, timeline and executors (set as attributes too), in the order their
+        collectives over ``comm`` run on every rank."""
+        comm, place = self.comm, self.place
+        self.queue = TensorQueue(self.world_rank)
+        check_shared(comm, config)
+        self.negotiator = Negotiator(comm, config, process_set_id=place.process_set_id,
+                                     world_ranks=place.world_ranks)
+        self.timeline = open_for(config.timeline, place.process_set_id, self.world_rank)
         backend = backend if backend is not None else MpiBackend(comm)
         self.host = HostExecutor(backend, self.rank, self.size)
         self.device = DeviceExecutor(comm, backend, config.gpu_operations, self.timeline,
-                                     on_error=self.queue.interrupt, world_ranks=world_ranks,
-                                     process_set_id=process_set_id, claims=gpu_claims)
-        self.execution = ResponseExecution(
-            self._pending, self.queue, self.negotiator, self.host, self.device, self.rank,
-            self.size, self._world, config.join_divisor, self._set_ranks_note(), self._autotuner,
-            self.timeline)
-        # The cycle is looked up at each call, so that a wrapper set on the coordinator sees the
-        # caller's cycles too (tests/parallel/test_caller_runs.py records which thread ran them).
-        self.turns = CallerRuns(caller_runs, self.lock, self.queue, self._pending, self.device,
-                                lambda: self.cycle(), self._crashed)
-        self._watchdog = liveness.start(comm, failure_timeout, self._heartbeat, lambda: self.busy,
-                                        self._lost, world_ranks)
-        self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
+                                     on_error=self.queue.interrupt, world_ranks=place.world_ranks,
+                                     process_set_id=place.process_set_id, claims=gpu_claims)
+        return CycleParts(self._pending, self.queue, self.negotiator, self.host, self.device)
+
+    def start(self) -> None:
+        """Start the background thread and, with rank failure detection on, the watchdog's. Called
+        once by whoever built the coordinator (:mod:`gradsync.process.runtime`), once it is
+        registered; :meth:`shutdown` works whether it was called or not."""
+        if self._watchdog is not None:
+            self._watchdog.start()
         self._thread.start()
 
     @property
@@ -172,10 +182,9 @@ class Coordinator:
         for entry in entries:
             self._check_device(entry)
         host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
+        hurry, runner = self.queue.hurry, self.turns.run_for if self.turns.enabled and host else None
         for entry in entries:
-            entry.handle._hurry = self.queue.hurry
-            if self.turns.enabled and host:
-                entry.handle._runner = self.turns.run_for
+            entry.handle.on_wait(hurry, runner)
         mine = self.turns.mine()
         if mine and not host:  # device work and join() stay on the background thread
             self.turns.end_turn()
@@ -211,11 +220,30 @@ class Coordinator:
         self.queue.request_shutdown()
         if self.failure is not None:
             return False
+        if self._thread.ident is None:
+            return self._close_unstarted(timeout)
         self._thread.join(timeout)
         ended = not self._thread.is_alive()
         if ended and self._watchdog is not None and self.failure is None:
             self._watchdog.stop()
         return ended
+
+    def _close_unstarted(self, timeout: float) -> bool:
+        """Shutdown before :meth:`start`: no other rank hears of it (nothing negotiates here); fail
+        what was submitted and free what the thread would have. False if a caller running cycles
+        (caller runs) keeps the lock for ``timeout`` seconds."""
+        if not self.lock.acquire(timeout=timeout):
+            return False
+        try:
+            self._stop(ShutdownError, "gradsync.shutdown() was called before the coordinator started")
+            self.device.close(abort=False)
+            if self.timeline is not None:
+                self.timeline.close()
+            if self._watchdog is not None:
+                self._watchdog.stop()
+        finally:
+            self.lock.release()
+        return True
 
     # ---- the cycle -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -283,7 +311,7 @@ class Coordinator:
         cycle time paces the retries again."""
         if not self._pending:
             return self._heartbeat
-        if self._progressed and any(entry.handle._waited for entry in self._pending.values()):
+        if self._progressed and any(entry.handle.waited for entry in self._pending.values()):
             return 0.0
         return self.negotiator.cycle_time / 1000.0
 
@@ -326,9 +354,9 @@ class Coordinator:
         if device_failed:  # a peer NCCL lost is a rank failure, whose rank NCCL does not name
             self._stop(RankFailureError if self.device.peer_failed else CollectiveError, device_failed)
         elif reply.stall_error is not None:
-            self._stop(StallError, reply.stall_error + self._set_ranks_note())
+            self._stop(StallError, reply.stall_error + self.place.note())
         elif reply.shutdown_ranks:
-            ranks = [self._world(r) for r in reply.shutdown_ranks]
+            ranks = [self.place.world(r) for r in reply.shutdown_ranks]
             what = ("gradsync.shutdown() (or exited)" if self.world_ranks is None else
                     f"remove_process_set() on process set {self.process_set_id} or "
                     "gradsync.shutdown() (or exited)")
@@ -343,7 +371,7 @@ class Coordinator:
         self._negotiating = self.execution.busy = None
         lost = liveness.process_failure(exc, self.comm)
         if lost is not None:  # MPI itself reported a failed process (ULFM): that rank, not this one
-            reason = liveness.process_failure_reason(lost, self._world, exc)
+            reason = liveness.process_failure_reason(lost, self.place.world, exc)
             if self._watchdog is not None:
                 self._watchdog.announce(lost, reason)
             self._lost(lost, reason)
@@ -359,7 +387,7 @@ class Coordinator:
         """Ranks ``lost`` (of this set) are gone (the watchdog's verdict, on its thread; or MPI's
         process-failure error): fail everything in flight with RankFailureError. Any thread."""
         log.error("gradsync: rank %d: %s", self.world_rank, reason)
-        world = tuple(self._world(r) for r in lost)
+        world = tuple(self.place.world(r) for r in lost)
         self.queue.close(functools.partial(RankFailureError, lost_ranks=world), reason, failure=True)
 
     def _stop(self, error_type: ErrorType, reason: str, cause: BaseException | None = None) -> None:
@@ -367,11 +395,9 @@ class Coordinator:
         self.queue.close(error_type, reason, cause)
         self._pending.clear()
 
-    def _world(self, rank: int) -> int:
-        return rank if self.world_ranks is None else self.world_ranks[rank]
 
-    def _set_ranks_note(self) -> str:
-        """For a process set: which set a negotiation message is about (its ranks are world ranks)."""
-        if self.world_ranks is None:
-            return ""
-        return f" (in process set {self.process_set_id}, world ranks {list(self.world_ranks)})"
+def _autotuner(config: Config, rank: int) -> Autotuner | None:
+    """Rank 0's autotuner when ``GRADSYNC_AUTOTUNE`` is on (it proposes settings to the others)."""
+    if not (config.autotune and rank == 0):
+        return None
+    return Autotuner(config.fusion_threshold, config.cycle_time, config.autotune_window)

@@ -1,9 +1,9 @@
 """Running a cycle's responses on this rank: plan, execute, complete or fail the handles.
 
 :class:`ResponseExecution` is an object the coordinator holds (:mod:`gradsync.engine.coordinator`), given
-its collaborators explicitly: the coordinator's pending entries (which it fills and this object
-empties), its queue, negotiator and executors, and the rules of its process set. It runs on the
-thread that holds the coordinator's lock, like the rest of a cycle.
+its collaborators explicitly, grouped (:mod:`gradsync.engine.parts`): the coordinator's pending entries
+(which it fills and this object empties), its queue, negotiator and executors, and its place in the
+process set. It runs on the thread that holds the coordinator's lock, like the rest of a cycle.
 
 The Average divisor is decided here, once per response (:meth:`ResponseExecution.divisor`): the
 set's size, or with ``GRADSYNC_JOIN_DIVISOR=contributors`` the ranks that had not joined. The plan
@@ -15,7 +15,7 @@ sparse gradients' allgather, Horovod's integer scaling) divides by the same numb
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CollectiveError
@@ -23,9 +23,9 @@ from ..executors import Executed, Executor, batches
 from ..executors.plan import FusionPlan
 from ..timeline import record_collective
 from . import joins, liveness
-from .negotiation import Negotiator
+from .parts import CycleParts, SetPlace
 from .protocol import Kind, Response
-from .request_queue import Entry, TensorQueue
+from .request_queue import Entry
 
 
 class ResponseExecution:
@@ -33,29 +33,27 @@ class ResponseExecution:
     same ones in the same order).
 
     Args:
-        pending: the coordinator's entries by name, submitted and not yet answered; this object
-            takes out each response's entries.
-        queue: the coordinator's queue (whether gradsync stopped; names in flight released).
-        negotiator: told of every completed request (its response cache).
-        host, device: the executors of host and device memory.
-        rank, size: this rank's place in the process set; ``world(rank)`` its rank's world rank.
+        parts: the coordinator's collaborators: its pending entries by name (this object takes out
+            each response's entries), its queue (whether gradsync stopped; names in flight
+            released), its negotiator (told of every completed request), its host and device
+            executors.
+        place: this rank's place in the process set (its rank and size; messages name world ranks
+            and, for a set other than the world, the set).
         join_divisor: ``"size"`` or ``"contributors"`` (``GRADSYNC_JOIN_DIVISOR``).
-        set_note: appended to error messages (which process set, for a set other than the world).
         autotuner: records the bytes of host allreduces, or None.
+        timeline: the coordinator's timeline, or None.
 
     Attributes read by the coordinator: ``timeline`` (set by it), ``busy`` (for the watchdog),
     ``joins`` (join() calls completed on this set, the same count on every member).
     """
 
-    def __init__(self, pending: dict[str, Entry], queue: TensorQueue, negotiator: Negotiator,
-                 host: Executor, device: Any, rank: int, size: int, world: Callable[[int], int],
-                 join_divisor: str, set_note: str = "", autotuner: Any = None,
-                 timeline: Any = None) -> None:
-        self._pending, self._queue, self._negotiator = pending, queue, negotiator
-        self._host, self._device = host, device
-        self._rank, self._size, self._world = rank, size, world
-        self._world_rank = world(rank)
-        self._join_divisor, self._set_note, self._autotuner = join_divisor, set_note, autotuner
+    def __init__(self, parts: CycleParts, place: SetPlace, *, join_divisor: str,
+                 autotuner: Any = None, timeline: Any = None) -> None:
+        self._pending, self._queue, self._negotiator = parts.pending, parts.queue, parts.negotiator
+        self._host, self._device = parts.host, parts.device
+        self._rank, self._size, self._world = place.rank, place.size, place.world
+        self._world_rank = place.world_rank
+        self._join_divisor, self._set_note, self._autotuner = join_divisor, place.note(), autotuner
         self.timeline = timeline
         self.busy: tuple[float, object] | None = None
         self.joins = 0
@@ -161,7 +159,7 @@ class ResponseExecution:
         for (_, entries), divisor in zip(taken, divisors):
             for entry in entries:
                 completed(entry.request)
-                entry.handle._set_result(entry.result, completion, divisor)
+                entry.handle.complete(entry.result, completion, divisor)
             self._retire(entries)
         if self._autotuner is not None and first.kind == Kind.ALLREDUCE and completion is None:
             self._autotuner.record(sum(entry.source.nbytes for _, es in taken for entry in es))
@@ -189,7 +187,7 @@ class ResponseExecution:
             error.__cause__ = exc
         self._queue.finished(names)
         for entry in entries:
-            entry.handle._set_error(error)
+            entry.handle.fail(error)
         if error is not exc:
             raise exc
 

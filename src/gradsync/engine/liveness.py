@@ -69,7 +69,8 @@ Busy = tuple[float, object] | None
 
 
 class Watchdog:
-    """This rank's failure detector: a daemon thread with its own communicator.
+    """This rank's failure detector: a daemon thread with its own communicator, started by
+    :meth:`start`.
 
     Args:
         comm: a duplicate of the coordinator's communicator, used by this thread only (and by
@@ -97,6 +98,9 @@ class Watchdog:
         self._lock = threading.Lock()  # _sends: announce() runs on the coordinator thread
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gradsync-watchdog", daemon=True)
+
+    def start(self) -> None:
+        """Start watching (once)."""
         self._thread.start()
 
     def announce(self, lost: tuple[int, ...], reason: str) -> None:
@@ -105,9 +109,10 @@ class Watchdog:
         self._stopping.set()
 
     def stop(self) -> None:
-        """End the thread (it is never blocked in MPI) and free the communicator."""
+        """End the thread (it is never blocked in MPI), if it was started, and free the
+        communicator."""
         self._stopping.set()
-        if self._thread is not threading.current_thread():
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._lock:
             self._sends.clear()
@@ -182,11 +187,11 @@ def _completed(request: MPI.Request) -> bool:
         return True  # a send that failed is finished with
 
 
-def start(comm: MPI.Comm, timeout: float, heartbeat: float | None, busy: Callable[[], Busy],
-          on_lost: Callable[[tuple[int, ...], str], None],
-          world_ranks: list[int] | None = None) -> Watchdog | None:
-    """A :class:`Watchdog` on a duplicate of ``comm`` for the failure ``timeout`` (seconds; 0: off,
-    then None), given the coordinator's idle ``heartbeat``."""
+def watchdog_for(comm: MPI.Comm, timeout: float, heartbeat: float | None, busy: Callable[[], Busy],
+                 on_lost: Callable[[tuple[int, ...], str], None],
+                 world_ranks: list[int] | None = None) -> Watchdog | None:
+    """A :class:`Watchdog`, not yet started, on a duplicate of ``comm`` (collective over it) for the
+    failure ``timeout`` (seconds; 0: off, then None), given the coordinator's idle ``heartbeat``."""
     if timeout <= 0:
         return None
     return Watchdog(comm.Dup(), LivenessTiming.from_timeout(timeout, heartbeat), busy, on_lost,

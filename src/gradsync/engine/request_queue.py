@@ -209,5 +209,5 @@ class TensorQueue:
             error = error_type(f"gradsync: rank {self.world_rank}: {request.kind.name.lower()} "
                                f"{request.name!r} did not complete: {reason}")
             error.__cause__ = cause
-            entry.handle._set_error(error)
+            entry.handle.fail(error)
         return True

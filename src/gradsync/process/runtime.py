@@ -70,6 +70,7 @@ class Runtime:
             0: ProcessSetState(None, self.coordinator, self.comm)}
         self._next_set_id = 1
         self.coordinator.neighbours = self._coordinators
+        self.coordinator.start()
         log.debug("gradsync: rank %d: local %d/%d, cross %d/%d, allreduce %s", self.rank,
                   self.local_rank, self.local_size, self.cross_rank, self.cross_size,
                   self.backend.describe())
@@ -170,6 +171,7 @@ class Runtime:
                                       world_ranks=list(process_set.ranks), process_set_id=ident,
                                       gpu_claims=self.gpu_claims)
             coordinator.neighbours = self._coordinators
+            coordinator.start()
         process_set.process_set_id = ident
         self.process_sets[ident] = ProcessSetState(process_set, coordinator, comm)
         return process_set
@@ -227,9 +229,28 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
     global _runtime
     if _runtime is not None and _runtime.pid == os.getpid():
         return
-    started, cpu_started = time.time(), time.process_time()
+    started = (time.time(), time.process_time())
     config = Config.resolve(settings)
     _configure_logging(config.log_level)
+    world, launcher, library = _start_mpi(comm)
+    _runtime = Runtime(config, world)
+    # Wall clock and this process's CPU seconds at the start and end, for the elastic recovery's phases.
+    _runtime.init_times = (started, (time.time(), time.process_time()))
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)
+    for process_set in process_sets or ():
+        _runtime.add_process_set(process_set)
+    if _runtime.rank == 0:  # rank 0 has local rank 0: its cross communicator has one rank per host
+        _log_start(_runtime, library, launcher)
+
+
+def _start_mpi(comm: Any) -> tuple[Any, launch.Launcher, launch.MpiLibrary]:
+    """:func:`init`'s first step: start MPI (if needed) and check that gradsync can run on it;
+    returns the world (``comm``, default ``MPI.COMM_WORLD``), the launcher and the MPI library.
+
+    Raises:
+        LaunchError, GradsyncError: as :func:`init`.
+    """
     MPI = launch.start_mpi()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise GradsyncError(
@@ -243,18 +264,15 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
         if mismatch:
             raise GradsyncError(mismatch)
         launch.warn_if_batch_script_without_srun(launcher, world.Get_size())
-    _runtime = Runtime(config, world)
-    # Wall clock and this process's CPU seconds at the start and end, for the elastic recovery's phases.
-    _runtime.init_times = ((started, cpu_started), (time.time(), time.process_time()))
-    atexit.unregister(shutdown)
-    atexit.register(shutdown)
-    for process_set in process_sets or ():
-        _runtime.add_process_set(process_set)
-    if _runtime.rank == 0:  # rank 0 has local rank 0: its cross communicator has one rank per host
-        level, line = launch.launch_line(_runtime.size, _runtime.cross_size, library, launcher)
-        waits = launch.waiting_note(library, config.wait_policy,
-                                    set_by_gradsync=mpi_environment.YIELD_SET_BY_GRADSYNC)
-        logging.getLogger("gradsync.launch").log(level, "%s; %s", line, waits)
+    return world, launcher, library
+
+
+def _log_start(runtime: Runtime, library: launch.MpiLibrary, launcher: launch.Launcher) -> None:
+    """:func:`init`'s last step on rank 0: the start-up line (ranks, hosts, MPI, launcher, waits)."""
+    level, line = launch.launch_line(runtime.size, runtime.cross_size, library, launcher)
+    waits = launch.waiting_note(library, runtime.config.wait_policy,
+                                set_by_gradsync=mpi_environment.YIELD_SET_BY_GRADSYNC)
+    logging.getLogger("gradsync.launch").log(level, "%s; %s", line, waits)
 
 
 class _RankFilter(logging.Filter):
