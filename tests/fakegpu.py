@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 import numpy as np
-from gradsync.arrays.adapter import TensorInfo
 
 from gradsync.arrays import dtypes
+from gradsync.arrays.adapter import TensorInfo
 
 
 class FakeStream:

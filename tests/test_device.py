@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 import pytest
-from gradsync.arrays.device import resolve_gpu_operations
 
 import fakegpu
 import gradsync
 from gradsync import CollectiveError, ReduceOp
+from gradsync.arrays.device import resolve_gpu_operations
 from gradsync.backends.nccl import traits as nccl_traits
 from gradsync.config import Config
 from mpi_launch import run_mpi
