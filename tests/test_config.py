@@ -9,7 +9,8 @@ import dataclasses
 
 import pytest
 
-from gradsync.config import SETTINGS, Config, markdown_table
+from gradsync.config import MUST_MATCH, SETTINGS, Config, check_shared, markdown_table
+from gradsync.errors import GradsyncError
 
 
 def test_defaults():
@@ -64,7 +65,7 @@ def test_unknown_keyword_is_a_type_error_listing_the_known_ones():
     message = str(error.value)
     assert "'fusion_treshold'" in message
     for setting in SETTINGS:
-        assert setting.field in message
+        assert setting.keyword in message
 
 
 @pytest.mark.parametrize("variable, value", [
@@ -100,8 +101,90 @@ def test_the_configuration_is_immutable():
 
 def test_every_setting_is_a_config_field_with_the_same_default():
     fields = {f.name: f.default for f in dataclasses.fields(Config)}
-    assert fields == {s.field: s.default for s in SETTINGS}
-    assert all(s.env == "GRADSYNC_" + s.field.upper() for s in SETTINGS)
+    assert fields == {s.keyword: s.default for s in SETTINGS}
+    assert all(s.env == "GRADSYNC_" + s.keyword.upper() for s in SETTINGS)
+
+
+def test_every_default_has_its_settings_type():
+    for setting in SETTINGS:
+        assert type(setting.default) is setting.type, setting.keyword
+
+
+def test_every_default_passes_its_own_check():
+    # The check applies to given values only; a default it refused would be a contradiction.
+    for setting in SETTINGS:
+        assert setting.check(setting.default) is None, setting.keyword
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.type in (int, float)], ids=lambda s: s.env)
+def test_no_numeric_setting_takes_a_negative_value(setting):
+    with pytest.raises(ValueError, match=f"{setting.env}='-1' must"):
+        Config.resolve(environ={setting.env: "-1"})
+
+
+@pytest.mark.parametrize("text, expected", [("1", True), ("yes", True), ("ON", True), (" true ", True),
+                                            ("0", False), ("no", False), ("Off", False), ("", False)])
+def test_boolean_settings_read_the_usual_spellings(text, expected):
+    config = Config.resolve(environ={"GRADSYNC_AUTOTUNE": text, "GRADSYNC_CALLER_RUNS": text})
+    assert config.autotune is expected and config.caller_runs is expected
+
+
+def test_a_boolean_that_is_not_one_names_the_variable():
+    with pytest.raises(ValueError, match="GRADSYNC_HIERARCHICAL_ALLREDUCE='maybe' is not a valid bool value"):
+        Config.resolve(environ={"GRADSYNC_HIERARCHICAL_ALLREDUCE": "maybe"})
+    assert Config.resolve({"hierarchical_allreduce": True}, environ={}).hierarchical_allreduce is True
+
+
+@pytest.mark.parametrize("variable, good, bad", [
+    ("GRADSYNC_JOIN_DIVISOR", ["size", "contributors"], "ranks"),
+    ("GRADSYNC_WAIT_POLICY", ["sleep", "mpi"], "spin"),
+])
+def test_a_named_choice_takes_its_names_only(variable, good, bad):
+    field = variable.removeprefix("GRADSYNC_").lower()
+    for name in good:
+        assert getattr(Config.resolve(environ={variable: name}), field) == name
+    with pytest.raises(ValueError, match=f"{variable}='{bad}' must be one of '{good[0]}', '{good[1]}'"):
+        Config.resolve(environ={variable: bad})
+
+
+def test_the_settings_every_rank_must_share():
+    assert {s.keyword for s in MUST_MATCH} == {
+        "fusion_threshold", "cache_capacity", "join_divisor", "rank_failure_timeout_seconds",
+        "small_gradient_bytes", "wait_policy", "shared_memory_bytes", "shared_memory_threshold"}
+
+
+class FakeComm:
+    """allgather of a world where the other ranks hold ``others`` (tuples of MUST_MATCH values)."""
+
+    def __init__(self, *others):
+        self.others, self.sent = others, []
+
+    def allgather(self, mine):
+        self.sent.append(mine)
+        return [mine, *self.others]
+
+
+def test_ranks_that_share_their_settings_pass_the_check():
+    config = Config.resolve({"fusion_threshold": 4096}, environ={})
+    mine = (4096, 256 << 10, "mpi", 2 << 20, 512 << 10, 30.0, "size", 1024)  # in MUST_MATCH's order
+    comm = FakeComm(mine, mine)
+    assert check_shared(comm, config) is None
+    assert comm.sent == [mine]
+
+
+def test_ranks_that_differ_fail_alike_naming_the_settings_and_each_ranks_value():
+    config = Config()
+    other = tuple(getattr(config, s.keyword) for s in MUST_MATCH)
+    other = tuple(4096 if s.keyword == "small_gradient_bytes" else
+                  "contributors" if s.keyword == "join_divisor" else value
+                  for s, value in zip(MUST_MATCH, other))
+    with pytest.raises(GradsyncError) as error:
+        check_shared(FakeComm(other), config)
+    assert str(error.value) == (
+        "gradsync: GRADSYNC_SMALL_GRADIENT_BYTES (which gradients share buckets) and "
+        "GRADSYNC_JOIN_DIVISOR (what Average divides by) must be the same on every rank; got "
+        "rank 0: small_gradient_bytes=262144, join_divisor=size, "
+        "rank 1: small_gradient_bytes=4096, join_divisor=contributors")
 
 
 def test_the_markdown_table_lists_every_variable():

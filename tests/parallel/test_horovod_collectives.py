@@ -242,4 +242,5 @@ def test_build_flags_answer_for_gradsync():
 def test_no_warning_without_average():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hvd.allreduce(rank_tensor(), op=hvd.Sum)
+        result = hvd.allreduce(rank_tensor(), op=hvd.Sum)
+    assert torch.equal(result, torch.full((3, 2), float(total_of_ranks())))

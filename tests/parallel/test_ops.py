@@ -523,9 +523,15 @@ def test_allgather_object_of_none(case, size):
     assert gs.allgather_object(None, name=case) == [None] * size
 
 
-def test_barrier_unnamed_and_named(case):
-    gs.barrier()
-    gs.barrier(name=case)
+def test_barrier_unnamed_and_named(case, rank):
+    # Each form returns None, and only once the last rank (rank 0, late) has entered it.
+    for name in (None, case):
+        if rank == 0:
+            time.sleep(0.1)
+        entered = time.time()
+        assert gs.barrier(name=name) is None
+        left = time.time()
+        assert left >= max(gs.allgather_object(entered, name=f"{case}.{name}.times"))
 
 
 def test_barrier_returns_only_after_the_last_rank_entered_it(case, rank):
@@ -722,9 +728,22 @@ def test_a_broadcast_from_a_joined_root_is_a_collective_error_on_the_other_ranks
                            "and cannot broadcast")
 
 
-def test_a_barrier_with_a_joined_rank_waits_for_the_other_ranks_only(case, size):
+def test_a_barrier_with_a_joined_rank_waits_for_the_other_ranks_only(case, rank, size):
     _needs_a_rank_that_does_not_join(size)
-    beside_a_joined_rank(0, lambda: gs.barrier(name=case))
+
+    def barrier():  # the last rank enters late; every other rank but 0 must wait for it
+        if rank == size - 1:
+            time.sleep(0.2)
+        entered = time.time()
+        gs.barrier(name=case)
+        return entered, time.time()
+
+    joined = beside_a_joined_rank(0, barrier)
+    times = gs.allgather_object(joined.result, name=case + ".times")
+    assert times[0] is None  # rank 0 joined at once and never entered the barrier
+    last_entry = max(entered for entered, _ in times[1:])
+    assert all(left >= last_entry for _, left in times[1:]), times
+    assert joined.last in range(1, size)  # a rank that left the barrier joined last
 
 
 def test_join_returns_the_rank_that_joined_last(size):

@@ -313,14 +313,18 @@ def test_broadcast_optimizer_state_gives_every_rank_the_roots_lazy_state_and_opt
     assert all(torch.equal(gathered[0], gathered[r]) for r in range(size)), "the root's moments exactly"
 
 
-def test_load_state_dict_waits_for_the_reductions_in_flight_and_forgets_them(rank):
+def test_load_state_dict_waits_for_the_reductions_in_flight_and_forgets_them(rank, size):
     model, opt = model_and_optimizer()
+    initial = copy.deepcopy(model)
     saved = opt.state_dict()
     loss_of(model, *batch_of(rank)).backward()
     opt.load_state_dict(saved)
     opt.zero_grad()  # allowed now
     loss_of(model, *batch_of(rank)).backward()
     opt.step()
+    # One SGD step (lr 0.1) with the second backward's average alone: the first round left nothing.
+    for p, p0, g in zip(model.parameters(), initial.parameters(), averaged_local_gradients(initial, size)):
+        assert torch.allclose(p, p0 - 0.1 * g, atol=1e-6), (p, p0 - 0.1 * g)
 
 
 @pytest.mark.parametrize("bad", [-1, True, "2", 1.5], ids=["-1", "True", "'2'", "1.5"])
