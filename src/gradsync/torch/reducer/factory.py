@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...averaging import predivide_scales
 from ...compression import Compression, Compressor
 from ...engine.protocol import ReduceOp
 from ...executors import adasum
@@ -64,7 +65,7 @@ def pick_strategy(args: Arguments, rank: int) -> GradientReducer:
         NotImplementedError: Adasum on a number of ranks that is not a power of two.
         ValueError: Adasum with a ``comm_hook``.
     """
-    prescale, postscale = 1.0 / float(args.gradient_predivide_factor), float(args.gradient_predivide_factor)
+    prescale, postscale = predivide_scales(args.op, args.gradient_predivide_factor, f"gradsync: rank {rank}")
     op = args.op
     if op == ReduceOp.Adasum and args.process_set.size() == 1:
         op = ReduceOp.Average  # as Horovod: Adasum of one rank's update is that update
@@ -194,9 +195,7 @@ def check_arguments(rank: int, op, gradient_predivide_factor, num_groups, groups
     if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
         raise ValueError(f"gradsync: rank {rank}: DistributedOptimizer reduces gradients with "
                          f"Average, Sum or Adasum, got {op.name}")
-    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-        raise ValueError(f"gradsync: rank {rank}: gradient_predivide_factor="
-                         f"{gradient_predivide_factor} needs op=Average, got {op.name}")
+    predivide_scales(op, gradient_predivide_factor, f"gradsync: rank {rank}: DistributedOptimizer")
     if not (callable(getattr(compression, "compress", None))
             and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"gradsync: rank {rank}: compression={compression!r} needs compress() and "
