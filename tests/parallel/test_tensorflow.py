@@ -17,6 +17,9 @@ hvd = pytest.importorskip("gradsync.tensorflow")
 
 RANKS = (1, 2, 4)
 TIMEOUT = 240
+# The tests beside a joined rank again with the Average divisor of the ranks that have not joined.
+VARIANTS = {"join-by-contributors": {"env": {"GRADSYNC_JOIN_DIVISOR": "contributors"}, "ranks": (2, 3),
+                                     "k": "joined"}}
 tf.config.threading.set_inter_op_parallelism_threads(2)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
@@ -403,6 +406,63 @@ def test_allreduce_gradients_with_a_predivide_factor_still_averages(rank, size):
     np.testing.assert_allclose(averaged.numpy(), [(size - 1) / 2, 1.0])
     with pytest.raises(ValueError, match=f"rank {rank}: .*gradient_predivide_factor=2.0 needs op=Average"):
         hvd.allreduce_gradients(grads, op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+ROWS = 5
+
+
+def gradients_of(r):
+    """Rank r's gradients, as numpy: a dense one, and the values and row indices of a sparse one
+    (rows that overlap between ranks, so that the densified sum adds several ranks' rows)."""
+    dense = np.random.default_rng(10 + r).standard_normal((3, 2))
+    rows = [r % ROWS, (r + 2) % ROWS, ROWS - 1]
+    values = np.arange(6, dtype=np.float64).reshape(3, 2) + 10.0 * r
+    return dense, values, rows
+
+
+def densified(values, rows):
+    dense = np.zeros((ROWS, 2))
+    np.add.at(dense, rows, values)
+    return dense
+
+
+def reduced_gradients(rank, factor):
+    """``allreduce_gradients`` of this rank's dense and sparse gradients, as numpy (both dense)."""
+    dense, values, rows = gradients_of(rank)
+    sparse = tf.IndexedSlices(tf.constant(values), tf.constant(rows), dense_shape=tf.constant([ROWS, 2]))
+    got_dense, got_sparse = hvd.allreduce_gradients([tf.constant(dense), sparse], gradient_predivide_factor=factor)
+    assert isinstance(got_sparse, tf.IndexedSlices)
+    return got_dense.numpy(), tf.convert_to_tensor(got_sparse).numpy()
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_sparse_and_dense_gradients_with_a_predivide_factor_average_as_numpy(rank, size, factor):
+    got_dense, got_sparse = reduced_gradients(rank, factor)
+    everyone = [gradients_of(r) for r in range(size)]
+    np.testing.assert_allclose(got_dense, sum(d for d, _, _ in everyone) / size, rtol=1e-12)
+    np.testing.assert_allclose(got_sparse, sum(densified(v, i) for _, v, i in everyone) / size, rtol=1e-12)
+
+
+def join_divisor(size):
+    """What an Average divides by while one rank has joined, by the job's GRADSYNC_JOIN_DIVISOR."""
+    return size - 1 if os.environ.get("GRADSYNC_JOIN_DIVISOR") == "contributors" else size
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_gradients_beside_a_joined_rank_divide_by_the_cores_divisor(rank, size, factor):
+    if size == 1:
+        pytest.skip("needs a rank that joins and one that does not")
+    joined = size - 1  # joins at once; the others average their gradients, then join
+    if rank == joined:
+        hvd.join()
+        return
+    got_dense, got_sparse = reduced_gradients(rank, factor)
+    hvd.join()
+    contributors = [gradients_of(r) for r in range(joined)]
+    divisor = join_divisor(size)
+    np.testing.assert_allclose(got_dense, sum(d for d, _, _ in contributors) / divisor, rtol=1e-12)
+    np.testing.assert_allclose(got_sparse, sum(densified(v, i) for _, v, i in contributors) / divisor,
+                               rtol=1e-12)
 
 
 def test_tensorflow_state_syncs_restores_and_commits_as_horovods(rank):

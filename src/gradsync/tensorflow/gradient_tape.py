@@ -17,17 +17,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from ..averaging import local_gradient_divisor, predivide_scales
 from ..engine.protocol import ReduceOp
 from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression
-from .mpi_ops import (
-    Average,
-    Sum,
-    allreduce,
-    grouped_allreduce,
-    reduce_op,
-)
+from .mpi_ops import Average, Sum, allreduce, grouped_allreduce, reduce_op
 
 
 def _group_name(gradients: Sequence[tf.Tensor], prefix: str) -> str:
@@ -35,17 +30,6 @@ def _group_name(gradients: Sequence[tf.Tensor], prefix: str) -> str:
     dtypes in the same order) and at every step, different for another set of variables."""
     layout = ";".join(f"{g.dtype.name}{g.shape}" for g in gradients)
     return f"{prefix}.{len(gradients)}.{zlib.crc32(layout.encode()):08x}"
-
-
-def _predivided(op: ReduceOp, factor: float, process_set: ProcessSet,
-                where: str) -> tuple[ReduceOp, float, float]:
-    """(op, prescale, postscale) for Horovod's ``gradient_predivide_factor``: Average with a factor
-    f is Sum with prescale 1/f and postscale f/size."""
-    if factor == 1.0:
-        return op, 1.0, 1.0
-    if op != Average:
-        raise ValueError(f"{where}: gradient_predivide_factor={factor} needs op=Average, not {op.name}")
-    return Sum, 1.0 / factor, factor / process_set.size()
 
 
 def allreduce_gradients(gradients: Sequence[Any], op: Any = Average, compression: Any = Compression.none,
@@ -56,7 +40,9 @@ def allreduce_gradients(gradients: Sequence[Any], op: Any = Average, compression
 
     The building block of :class:`DistributedGradientTape` (and of gradsync.keras on the
     TensorFlow backend). Dense gradients: one grouped allreduce per dtype; ``tf.IndexedSlices``:
-    densified (``sparse_as_dense``) or allgathered, values divided by the set's size for Average.
+    densified (``sparse_as_dense``) or allgathered, values divided for Average by the divisor the
+    core decided for that allgather (:mod:`gradsync.averaging`: the set's size, or the ranks that
+    have not joined with ``GRADSYNC_JOIN_DIVISOR=contributors``), as the dense ones are.
 
     Args:
         gradients: ``tf.Tensor``, ``tf.IndexedSlices`` or None, the same list on every rank (a
@@ -65,7 +51,9 @@ def allreduce_gradients(gradients: Sequence[Any], op: Any = Average, compression
         compression: ``Compression.none``, ``fp16`` or ``bf16`` (dense gradients).
         sparse_as_dense: convert ``IndexedSlices`` to dense tensors before reducing.
         gradient_predivide_factor: Horovod's: with ``Average``, divide by this before the sum and
-            by ``size / factor`` after it (same result, other rounding).
+            by ``divisor / factor`` after it (same result, other rounding;
+            :func:`gradsync.averaging.predivide_scales`). Sparse gradients are allgathered, not
+            summed: they are averaged without it.
         process_set: the ranks that take part.
         name: the prefix of the collectives' names.
 
@@ -76,9 +64,19 @@ def allreduce_gradients(gradients: Sequence[Any], op: Any = Average, compression
     where = f"gradsync: rank {runtime.get().rank}: gradsync.tensorflow.allreduce_gradients"
     if op not in (Average, Sum, ReduceOp.Adasum):
         raise ValueError(f"{where}: op={op.name}; gradients are reduced with Average, Sum or Adasum")
-    op, prescale, postscale = _predivided(op, gradient_predivide_factor, process_set, where)
+    prescale, postscale = predivide_scales(op, gradient_predivide_factor, where)
     grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
              for g in gradients]
+    return reduce_gradients(grads, op, prescale, postscale, compression, process_set, name)
+
+
+def reduce_gradients(grads: Sequence[Any], op: ReduceOp, prescale: float, postscale: float,
+                     compression: Any, process_set: ProcessSet, name: str) -> list[Any]:
+    """:func:`allreduce_gradients` once its arguments are checked (what gradsync.keras's
+    TensorFlow backend calls too): the dense gradients in one grouped allreduce per dtype with
+    the scale factors; each ``tf.IndexedSlices`` allgathered and, for Average, divided by the
+    core's divisor of that allgather. Nothing is summed there, so the factors (a split of the
+    division around a sum, :func:`gradsync.averaging.predivide_scales`) do not apply to it."""
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
     out = list(grads)
     members = [grads[i] for i in dense]
@@ -122,7 +120,7 @@ class _DistributedGradientTape(tf.GradientTape):
     def _scale_local(self, grad: Any) -> Any:
         if grad is None or not self._gradsync_local:
             return grad
-        size = self._gradsync_args["process_set"].size()
+        size = local_gradient_divisor(self._gradsync_args["process_set"])
         if isinstance(grad, tf.IndexedSlices):
             return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
         return grad / tf.cast(size, grad.dtype)

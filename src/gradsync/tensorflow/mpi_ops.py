@@ -236,15 +236,38 @@ def _check_sparse(op: ReduceOp, name: str | None, prescale: float, postscale: fl
 
 def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: str | None, process_set: ProcessSet,
                       prescale: float = 1.0, postscale: float = 1.0) -> tf.IndexedSlices:
-    """Horovod's allreduce of IndexedSlices: values and indices allgathered, values divided by the
-    set's size for Average; Sum and Average only, no scale factors (:func:`_check_sparse`)."""
+    """Horovod's allreduce of IndexedSlices: values and indices allgathered, values divided for
+    Average by the divisor the core decided for their allgather (:mod:`gradsync.averaging`); Sum
+    and Average only, no scale factors (:func:`_check_sparse`)."""
     _check_sparse(op, name, prescale, postscale)
-    values = allgather(slices.values, None if name is None else f"{name}.values", process_set=process_set)
+    values = _gathered_values(tf.convert_to_tensor(slices.values), None if name is None else f"{name}.values",
+                              op, process_set)
     indices = allgather(slices.indices, None if name is None else f"{name}.indices",
                         process_set=process_set)
-    if op == Average:
-        values = values / tf.cast(process_set.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def _gathered_values(values: tf.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet) -> tf.Tensor:
+    """:func:`allgather` of ``values``, for ``Average`` divided by the core's divisor of that
+    allgather (:attr:`gradsync.Handle.divisor`: the set's size, or the ranks that have not joined
+    with ``GRADSYNC_JOIN_DIVISOR=contributors``). Differentiable as :func:`allgather`."""
+    needs_rows(values, "allgather")
+    name = collective_name(name, "allgather", values)
+
+    def on_host(array: np.ndarray) -> list[np.ndarray]:
+        handle = ops.allgather_async(moved(array), name, process_set)
+        return [restored(handle.wait(), array), np.asarray(handle.divisor, np.int64)]
+
+    @tf.custom_gradient
+    def gather(x):
+        gathered, divisor = call_on_host("allgather", on_host, [x], [x.dtype, tf.int64],
+                                         [[None] + x.shape[1:], []], name)
+        if op != Average:
+            return gathered, lambda dy: allgather_grad(x, dy, name, process_set)
+        divisor = tf.cast(divisor, gathered.dtype)
+        return gathered / divisor, lambda dy: allgather_grad(x, dy / divisor, name, process_set)
+
+    return gather(values)
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
