@@ -235,8 +235,11 @@ def test_value_collectives_against_numpy(rank, size):
     assert float(keras.ops.convert_to_numpy(hvd.allreduce(3.0, name="keras.scalar", op=hvd.Sum))) == 3.0 * size
 
 
+@pytest.mark.parametrize("factor", [1.0, 4.0])
 @pytest.mark.parametrize("sparse_as_dense", [True, False])
-def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense):
+def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense, factor):
+    """On the TensorFlow backend an embedding's gradient is a tf.IndexedSlices: allgathered unless
+    densified, and averaged with or without a gradient_predivide_factor."""
     def embedding_model():
         keras.utils.set_random_seed(0)
         return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 2),
@@ -245,8 +248,8 @@ def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense):
     ids = [np.random.default_rng(r).integers(0, 10, (B, 3)).astype("int32") for r in range(gradsync.size())]
     targets = [np.random.default_rng(50 + r).normal(size=(B, 2)).astype("float32") for r in range(gradsync.size())]
     model = embedding_model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), sparse_as_dense=sparse_as_dense),
-                  loss="mse")
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), sparse_as_dense=sparse_as_dense,
+                                                     gradient_predivide_factor=factor), loss="mse")
     model.fit(ids[gradsync.rank()], targets[gradsync.rank()], batch_size=B, verbose=0, shuffle=False)
     reference = embedding_model()
     reference.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")

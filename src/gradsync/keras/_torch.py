@@ -13,9 +13,11 @@ from ..process_sets import ProcessSet
 from ..torch import grouped_allreduce as _grouped_allreduce
 
 
-def grouped_allreduce(grads: list[Any], name: str, op: ReduceOp, process_set: ProcessSet) -> list[Any]:
+def grouped_allreduce(grads: list[Any], name: str, op: ReduceOp, process_set: ProcessSet,
+                      prescale: float = 1.0, postscale: float = 1.0) -> list[Any]:
     """Reduce ``grads`` (torch tensors) as one unit; returns new tensors in order."""
-    return _grouped_allreduce(list(grads), name=name, op=op, process_set=process_set)
+    return _grouped_allreduce(list(grads), name=name, op=op, process_set=process_set,
+                              prescale_factor=prescale, postscale_factor=postscale)
 
 
 def densify(grads: list[Any]) -> list[Any]:

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from .. import ops
+from ..averaging import local_gradient_divisor, predivide_scales
 from ..compression import CastCompressor, Compression, Compressor
 from ..engine.protocol import ReduceOp
 from ..process import runtime
@@ -70,7 +71,7 @@ class _Settings:
     average_aggregated: bool
     process_set: ProcessSet
     sparse_as_dense: bool = False
-    predivide: float = 1.0  # gradient_predivide_factor: scale 1/f before the sum, f after
+    scales: tuple[float, float] = (1.0, 1.0)  # (prescale, postscale) of gradient_predivide_factor
 
 
 class _Distributed:
@@ -96,7 +97,7 @@ class _Distributed:
             for i, g in zip(present, reduced):
                 grads[i] = g
         if local and getattr(self, "_gradsync_scale_local", True):  # Horovod's: divided by the size
-            size = float(self._gradsync.process_set.size())
+            size = float(local_gradient_divisor(self._gradsync.process_set))
             grads = [g / size if g is not None and id(v) in local else g for g, v in zip(grads, variables)]
         return super().apply(grads, trainable_variables)
 
@@ -108,15 +109,12 @@ class _Distributed:
 
     def _reduce(self, grads: list[Any]) -> list[Any]:
         settings = self._gradsync
-        f = settings.predivide
         if settings.sparse_as_dense:
             grads = backend_ops().densify(grads)
-        compressed, contexts = zip(*[settings.compression.compress(g if f == 1 else g * (1 / f))
-                                     for g in grads])
+        compressed, contexts = zip(*[settings.compression.compress(g) for g in grads])
         reduced = backend_ops().grouped_allreduce(list(compressed), f"{settings.name}.gradients",
-                                                  settings.op, settings.process_set)
-        out = [settings.compression.decompress(g, c) for g, c in zip(reduced, contexts)]
-        return out if f == 1 else [g * f for g in out]
+                                                  settings.op, settings.process_set, *settings.scales)
+        return [settings.compression.decompress(g, c) for g, c in zip(reduced, contexts)]
 
     def _reduce_every_kth(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         """With Keras's gradient accumulation over k passes, communicate on the k-th pass only.
@@ -151,40 +149,29 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
                          num_groups: int = 0, groups: Any = None,
                          process_set: ProcessSet = global_process_set) -> Any:
     """A Keras 3 optimizer that averages the gradients across ranks before every update
-    (``horovod.tensorflow.keras.DistributedOptimizer`` on Keras 3, any backend).
+    (``horovod.tensorflow.keras.DistributedOptimizer``, any backend; long form: docs/keras.md).
 
-    The averaging runs inside ``model.fit``'s compiled train step: under ``jax.jit`` on JAX (one
-    ordered callback, :func:`gradsync.jax.grouped_allreduce`), eagerly on torch
-    (:func:`gradsync.torch.grouped_allreduce`), in ``tf.function`` on TensorFlow
-    (:func:`gradsync.tensorflow.grouped_allreduce`). All gradients of a step are one grouped allreduce.
-    It happens before the optimizer's clipping (``clipnorm``...) and loss-scale handling, as in
-    Horovod. N ranks with batch B each then take the same steps as one process with batch N*B.
-
-    ``backward_passes_per_step=k`` accumulates k local gradients (Keras's own
-    ``gradient_accumulation_steps``, which it sets) and communicates on every k-th pass only; the
-    update then uses the sum of the k averaged gradients, or their mean with
-    ``average_aggregated_gradients=True`` (Horovod's semantics). An optimizer already built with
-    ``gradient_accumulation_steps=k`` is treated as ``backward_passes_per_step=k`` with averaging
-    (Keras's semantics).
-
-    The arguments are Horovod's, in its order. ``sparse_as_dense=True`` turns the TensorFlow
-    backend's sparse gradients (``tf.IndexedSlices``, from embeddings) into dense tensors that join
-    the grouped allreduce; without it they are allgathered, as Horovod does (the other backends'
-    gradients are dense). ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are
-    accepted and change nothing: gradsync moves host copies and fuses all gradients of a step as
-    one grouped allreduce (Horovod's groups only split its fusion; the result is the same).
+    All gradients of a step are one grouped allreduce of the backend's adapter, inside
+    ``model.fit``'s compiled train step, before the optimizer's clipping and loss-scale handling,
+    as in Horovod: N ranks with batch B each take the same steps as one process with batch N*B.
+    The arguments are Horovod's, in its order; ``device_dense``, ``device_sparse``, ``num_groups``
+    and ``groups`` are accepted and change nothing (a step's gradients are fused as one group).
 
     Args:
-        optimizer: a Keras 3 optimizer, not yet built (its variables are not copied: wrap it
-            before ``compile``).
+        optimizer: a Keras 3 optimizer, not yet built (wrap it before ``compile``).
         name: the collectives' name prefix (default ``"Distributed<Class>"``); the same on every rank.
-        gradient_predivide_factor: f: gradients are scaled by 1/f before the sum and f/size after
-            it (Horovod's split of the averaging; needs ``op=Average``).
-        compression: :class:`gradsync.Compression` ``none`` (default), ``fp16`` or ``bf16``, or any
+        compression: ``Compression.none`` (default), ``fp16`` or ``bf16``, or any
             :class:`gradsync.Compressor` working on the backend's tensors.
+        sparse_as_dense: densify the TensorFlow backend's ``tf.IndexedSlices`` gradients (else they
+            are allgathered, as Horovod does; the other backends' gradients are dense).
+        gradient_predivide_factor: Horovod's split of the averaging around the sum (needs
+            ``op=Average``; :func:`gradsync.averaging.predivide_scales`).
         op: ``Average`` (default) or ``Sum``.
-        backward_passes_per_step: k >= 1, see above.
-        average_aggregated_gradients: with k > 1, divide the k-pass sum by k.
+        backward_passes_per_step: k >= 1: accumulate k passes (Keras's own
+            ``gradient_accumulation_steps``, which it sets) and communicate on every k-th only; the
+            update uses the sum of the k averaged gradients. An optimizer built with
+            ``gradient_accumulation_steps=k`` is treated as k passes with averaging (Keras's).
+        average_aggregated_gradients: with k > 1, the mean of the k averaged gradients instead.
         process_set: the ranks that average their gradients (default: every rank).
 
     Returns:
@@ -196,18 +183,21 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
             ``op`` other than Average.
         NotImplementedError (when training): a Keras backend without a gradsync adapter.
     """
-    if gradient_predivide_factor != 1.0 and ReduceOp(op) != ReduceOp.Average:
-        raise ValueError(f"gradsync: rank {runtime.get().rank}: DistributedOptimizer: "
-                         f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average, "
-                         f"not {op!r}")
+    scales = predivide_scales(op, gradient_predivide_factor,
+                              f"gradsync: rank {runtime.get().rank}: DistributedOptimizer")
     config = optimizer.get_config()
     passes, average = _passes(config, backward_passes_per_step, average_aggregated_gradients)
-    base = type(optimizer)
-    while issubclass(base, _Distributed):  # wrapping twice would average twice
-        base = base.__mro__[2]
+    base = _unwrapped(type(optimizer))
     settings = _Settings(name or f"Distributed{base.__name__}", _for_keras(compression), ReduceOp(op),
-                         passes, average, process_set, sparse_as_dense, float(gradient_predivide_factor))
+                         passes, average, process_set, sparse_as_dense, scales)
     return _distributed_class(base, settings).from_config(config)
+
+
+def _unwrapped(base: type) -> type:
+    """The optimizer class under gradsync's subclasses: wrapping twice would average twice."""
+    while issubclass(base, _Distributed):
+        base = base.__mro__[2]
+    return base
 
 
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
