@@ -33,8 +33,8 @@ def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
 
     ``reduce_op``: ``"mean"``/``"avg"``/None (the default), ``"sum"``, ``"max"``, ``"min"``,
     ``"product"``, or a ``torch.distributed.ReduceOp`` of these. A mean of an integer or bool tensor
-    is the float sum divided by the number of ranks (torch's ``/``), as DDP's. The result has the
-    input's shape and device; it is a new tensor.
+    is the float sum divided by the number of ranks (the core's Average divisor), as DDP's. The
+    result has the input's shape and device; it is a new tensor.
 
     Raises:
         ValueError: a ``group`` (gradsync reduces over every rank here: use gradsync's process sets
@@ -50,7 +50,8 @@ def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         raise ValueError(f"gradsync: rank {gradsync.rank()}: unknown reduce_op {reduce_op!r}; use one "
                          f"of {sorted(_OPS)}")
     if _OPS[name] is gradsync.Average and not tensor.is_floating_point():
-        return gs_torch.allreduce(tensor.long(), op=gradsync.Sum) / gradsync.size()
+        # summed exactly in float64, divided by the core's Average divisor, then torch's float dtype
+        return gs_torch.allreduce(tensor.double(), op=gradsync.Average).to(torch.get_default_dtype())
     if tensor.dtype == torch.bool:
         tensor = tensor.long()
     return gs_torch.allreduce(tensor, op=_OPS[name])
