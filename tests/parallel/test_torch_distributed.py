@@ -59,6 +59,24 @@ def test_the_default_group_takes_rank_and_size_from_gradsync(rank, size, process
     assert process_group.group_name and process_group.group_name == dist.group.WORLD.group_name
 
 
+def test_the_rendezvous_refuses_a_rank_other_than_gradsyncs(rank, size):
+    from torch.distributed.rendezvous import rendezvous
+
+    store, got_rank, got_size = next(rendezvous("gradsync://"))
+    with raises(ValueError, "rank=", f"gradsync's rank is {rank}"):
+        next(rendezvous("gradsync://", rank=rank + 1, world_size=size))
+    assert (got_rank, got_size) == (rank, size)
+
+
+def test_nothing_is_registered_where_torch_distributed_is_unavailable(monkeypatch):
+    from gradsync.torch import distributed as backend
+
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    monkeypatch.setattr(dist.Backend, "_plugins", {})
+    backend.register()
+    assert dist.Backend._plugins == {}
+
+
 @pytest.mark.parametrize(("dtype", "op"), PAIRS)
 def test_all_reduce_gives_the_reduction_of_every_ranks_tensor(case, rank, dtype, op):
     inputs = all_inputs(case, dtype, (3, 5), OPS[op])
@@ -390,3 +408,16 @@ def test_torch_zero_redundancy_optimizer_trains_like_one_process(rank, size):
         optimizer.zero_grad()
     for got, want in zip(model.module.parameters(), trained_alone(3, size)):
         torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_torchmetrics_sync_gives_the_metric_of_every_ranks_data(case, rank, size):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    inputs = [all_inputs(f"{case}.{k}", "float64", [(2 * r + 1,) for r in range(size)]) for k in range(2)]
+    mean_squared = torchmetrics.MeanSquaredError().set_dtype(torch.float64)
+    concatenated = torchmetrics.CatMetric().set_dtype(torch.float64)
+    mean_squared.update(to_torch(inputs[0][rank]), to_torch(inputs[1][rank]))
+    concatenated.update(to_torch(inputs[0][rank]))
+    got_mse, got_cat = mean_squared.compute(), concatenated.compute()
+    predictions, targets = np.concatenate(inputs[0]), np.concatenate(inputs[1])
+    np.testing.assert_allclose(got_mse.item(), np.mean((predictions - targets) ** 2), rtol=1e-12)
+    assert_array(got_cat.numpy(), predictions)

@@ -50,12 +50,12 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     """
     import torch.distributed as dist
 
-    import gradsync
+    from ...process import runtime
 
-    gradsync.init()
+    runtime.init()
     query = {key: int(values[0]) for key, values in parse_qs(urlparse(url).query).items()
              if key in ("rank", "world_size")}
-    rank, size = gradsync.rank(), gradsync.size()
+    rank, size = runtime.rank(), runtime.size()
     for key, mine in (("rank", rank), ("world_size", size)):
         if query.get(key, -1) not in (-1, mine):
             raise ValueError(f"gradsync://: {key}={query[key]} was given, but gradsync's {key} is "

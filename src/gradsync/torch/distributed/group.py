@@ -196,9 +196,7 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
     Raises:
         ValueError: torch's rank or size disagree with gradsync's; group ranks that are not sorted.
     """
-    from ... import init
-
-    init()  # no-op when running; the rendezvous already initialised gradsync for the default group
+    runtime.init()  # no-op when running; the rendezvous already initialised gradsync for the default group
     rt = runtime.get()
     ranks = list(opts.global_ranks_in_group) or list(range(rt.size))
     if ranks != sorted(ranks):
