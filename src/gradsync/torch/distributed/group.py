@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ...process import runtime
 from ...process_sets import ProcessSet, global_process_set
 from . import movement, reductions
+from .point_to_point import PointToPoint
 from .work import Completer
 
 BACKEND = "gradsync"
@@ -33,9 +34,11 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         rank: this process's rank in the group. size: the group's number of ranks.
         process_set: the registered gradsync process set of the group's ranks.
         world_ranks: the group's world ranks, in group-rank order (sorted).
+        p2p_comm: the group's own MPI communicator for send and recv (None: they raise).
     """
 
-    def __init__(self, rank: int, size: int, process_set: ProcessSet, world_ranks: Sequence[int]) -> None:
+    def __init__(self, rank: int, size: int, process_set: ProcessSet, world_ranks: Sequence[int],
+                 p2p_comm: Any = None) -> None:
         super().__init__(rank, size)
         self.process_set = process_set
         self._world_ranks = list(world_ranks)
@@ -44,6 +47,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         self._count = itertools.count()
         self._count_lock = threading.Lock()
         self.completer = Completer(f"pg{process_set.process_set_id}")
+        self._p2p = PointToPoint(p2p_comm, f"pg{process_set.process_set_id}")
 
     # -- what the calls need
     def next_name(self, call: str) -> str:
@@ -97,11 +101,13 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return [torch.device("cpu")]
 
     def shutdown(self) -> None:
-        """End the completion thread (``destroy_process_group``); gradsync itself keeps running."""
+        """End the completion threads and free the send/recv communicator
+        (``destroy_process_group``); gradsync itself keeps running."""
         self.completer.close()
+        self._p2p.close()
 
     def abort(self) -> None:
-        self.completer.close()
+        self.shutdown()
 
     # -- reductions
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
@@ -163,15 +169,15 @@ class GradsyncProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         return movement.barrier(self, opts)
 
-    # -- point to point: not in the engine yet
+    # -- point to point, beside the engine (see point_to_point)
     def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
-        raise _no_point_to_point("send")
+        return self._p2p.send(_listed(tensors), dst, tag)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
-        raise _no_point_to_point("recv")
+        return self._p2p.recv(_listed(tensors), src, tag)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
-        raise _no_point_to_point("recv (from any source)")
+        return self._p2p.recv(_listed(tensors), None, tag)
 
     def __repr__(self) -> str:
         return (f"<GradsyncProcessGroup {self._group_name!r} rank {self.rank()} of {self.size()}, "
@@ -181,12 +187,6 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 def _listed(tensors: Any) -> list[torch.Tensor]:
     """A call's tensors as a list (torch passes a list; a bare tensor is accepted too)."""
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-def _no_point_to_point(call: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"gradsync's torch.distributed backend does not implement {call} yet: point-to-point "
-        f"messages are not in gradsync's engine (collectives are); see docs/torch-distributed.md")
 
 
 def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
@@ -204,7 +204,19 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
     if ranks[opts.group_rank] != rt.rank or len(ranks) != opts.group_size:
         raise ValueError(f"gradsync: torch says rank {opts.group_rank} of {opts.group_size} in group "
                          f"{ranks}, but this is gradsync's rank {rt.rank} of {rt.size}")
-    return GradsyncProcessGroup(opts.group_rank, opts.group_size, _process_set(rt, ranks), ranks)
+    process_set = _process_set(rt, ranks)
+    return GradsyncProcessGroup(opts.group_rank, opts.group_size, process_set, ranks, _p2p_comm(rt, ranks))
+
+
+def _p2p_comm(rt: Any, ranks: list[int]) -> Any:
+    """A new communicator of ``ranks`` for the group's send and recv, made collectively by the
+    group's members (on the user thread's communicator, which the coordinators do not use)."""
+    if len(ranks) == rt.size:
+        return rt.control.Dup()
+    group = rt.control.Get_group().Incl(ranks)
+    comm = rt.control.Create_group(group)
+    group.Free()
+    return comm
 
 
 def _process_set(rt: Any, ranks: list[int]) -> ProcessSet:

@@ -28,9 +28,10 @@ class FutureWork(dist.Work):
     """A torch ``Work`` on a future. Unlike torch's ``_create_work_from_future``, whose ``wait()``
     returns True even when the future failed, :meth:`wait` raises the collective's error."""
 
-    def __init__(self, future: torch.futures.Future) -> None:
+    def __init__(self, future: torch.futures.Future, source: Callable[[], int] | None = None) -> None:
         super().__init__()
         self._future = future
+        self._source = source
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the collective finished; raise its error (gradsync's CollectiveError, ...).
@@ -53,6 +54,13 @@ class FutureWork(dist.Work):
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def _source_rank(self) -> int:
+        """The sender of a receive (``dist.recv`` from any source), once it completed."""
+        if self._source is None:
+            raise RuntimeError("gradsync: only a receive's Work has a source rank")
+        self.wait()
+        return self._source()
+
 
 def _wait(pending: Pending) -> Any:
     """The result of one pending item: a handle's output, or a deferred call's return value."""
@@ -68,14 +76,16 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def work(self, pending: Sequence[Pending], finish: Finish) -> Any:
-        """A torch ``Work`` whose future gets ``finish(results of pending)`` (or its error)."""
+    def work(self, pending: Sequence[Pending], finish: Finish,
+             source: Callable[[], int] | None = None) -> FutureWork:
+        """A torch ``Work`` whose future gets ``finish(results of pending)`` (or its error);
+        ``source``: a receive's sender, for :meth:`FutureWork._source_rank`."""
         future: torch.futures.Future = torch.futures.Future()
         self._start()
         self._queue.put((list(pending), finish, future))
-        return FutureWork(future)
+        return FutureWork(future, source)
 
-    def done(self, outputs: list[torch.Tensor]) -> Any:
+    def done(self, outputs: list[torch.Tensor]) -> FutureWork:
         """A ``Work`` already complete with ``outputs`` (a call that moves nothing)."""
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(outputs)
