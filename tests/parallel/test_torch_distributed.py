@@ -494,3 +494,111 @@ def test_torchmetrics_sync_gives_the_metric_of_every_ranks_data(case, rank, size
     predictions, targets = np.concatenate(inputs[0]), np.concatenate(inputs[1])
     np.testing.assert_allclose(got_mse.item(), np.mean((predictions - targets) ** 2), rtol=1e-12)
     assert_array(got_cat.reshape(-1).numpy(), predictions)  # one element: CatMetric gives a 0-d tensor
+
+
+def trained_alone_per_rank(steps_of: list[int], model: torch.nn.Module) -> list:
+    """One process's parameters after each step's gradient: the sum over the ranks that still
+    have a batch at that step of their mean loss, divided by the number of ranks (DDP's join)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(max(steps_of)):
+        losses = [torch.nn.functional.mse_loss(model(batch(r, step)[0]), batch(r, step)[1])
+                  for r, steps in enumerate(steps_of) if step < steps]
+        (sum(losses) / len(steps_of)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_ddp_join_lets_ranks_with_fewer_batches_shadow_the_others(rank, size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    steps_of = [2 + r for r in range(size)]  # rank r has 2 + r batches
+    model = DistributedDataParallel(TwoHeads())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(steps_of[rank]):
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip(model.module.parameters(), trained_alone_per_rank(steps_of, TwoHeads())):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+
+
+def square_model() -> torch.nn.Module:
+    """Two layers of 4 x 4 weights: PowerSGD of rank 4 approximates their gradients exactly."""
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
+
+
+def square_batch(r: int, step: int) -> tuple:
+    """Rank ``r``'s batch: 5 rows, so that each rank's weight gradients have full rank."""
+    g = torch.Generator().manual_seed(7000 + 100 * step + r)
+    return torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+
+
+def test_powersgd_hook_whose_callbacks_wait_on_collectives_trains_like_one_process(rank, size):
+    """PowerSGD's hook waits for an allreduce inside a future's callback: the callbacks must not run
+    in the thread that completes the group's futures (it would wait for itself). At full rank its
+    approximation is exact, so the training equals one process's."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(square_model())
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                        start_powerSGD_iter=2, min_compression_rate=0)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    alone = square_model()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, alone)]
+    for step in range(4):
+        x, y = square_batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        xs, ys = zip(*(square_batch(r, step) for r in range(size)))
+        torch.nn.functional.mse_loss(alone(torch.cat(xs)), torch.cat(ys)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip(model.module.parameters(), alone.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_fsdp2_fully_shard_on_a_device_mesh_trains_like_one_process(rank, size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (size,))
+    model, alone = square_model(), square_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, alone)]
+    for step in range(3):
+        x, y = square_batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        xs, ys = zip(*(square_batch(r, step) for r in range(size)))
+        torch.nn.functional.mse_loss(alone(torch.cat(xs)), torch.cat(ys)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip(model.parameters(), alone.parameters()):
+        torch.testing.assert_close(got.full_tensor().detach(), want.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_distributed_checkpoint_saves_and_loads_a_sharded_model(tmp_path, rank, size):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    directory = [str(tmp_path)]
+    dist.broadcast_object_list(directory, src=0)
+    mesh = init_device_mesh("cpu", (size,))
+    saved = fully_shard(square_model(), mesh=mesh)
+    torch.manual_seed(2)  # other values than the saved ones
+    loaded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
+    fully_shard(loaded, mesh=mesh)
+    dcp.save(saved.state_dict(), checkpoint_id=directory[0])
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=directory[0])
+    loaded.load_state_dict(state)
+    for got, want in zip(loaded.parameters(), square_model().parameters()):
+        torch.testing.assert_close(got.full_tensor().detach(), want.detach(), rtol=0, atol=0)

@@ -2,9 +2,12 @@
 
 torch's C++ callers (DDP's reducer in an autograd thread, ``Work.wait()``) hold a
 ``torch.futures.Future`` and chain callbacks on it. A :class:`Completer` owns one daemon thread per
-process group: it waits for the gradsync handles of each call in submission order, runs the call's
-*finish* (copy results into torch's output tensors), and completes the future there, so that the
-callbacks never run in, nor block, the thread that submitted the collective.
+process group: it waits for the gradsync handles of each call in submission order and runs the
+call's *finish* (copy results into torch's output tensors). It then hands the future to
+:class:`Callbacks`, whose threads complete it: the future's callbacks run there, never in the
+thread that submitted the collective, and never in the completer's, because a callback may block
+on another collective of the group (PowerSGD's hook waits inside its ``then``), which only the
+completer thread can finish.
 """
 
 from __future__ import annotations
@@ -67,6 +70,49 @@ def _wait(pending: Pending) -> Any:
     return pending.wait() if hasattr(pending, "wait") else pending()
 
 
+class Callbacks:
+    """Daemon threads that complete futures (and so run their callbacks): one more whenever every
+    thread is busy, so a callback that blocks on a later future never holds that future back."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def complete(self, future: torch.futures.Future, outputs: Any, error: BaseException | None) -> None:
+        """Set ``future``'s result ``outputs`` (or its exception ``error``) in a callback thread."""
+        with self._lock:
+            if self._idle == 0:
+                thread = threading.Thread(target=self._run, daemon=True,
+                                          name=f"gradsync-torch-{self._name}-callbacks{len(self._threads)}")
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._idle -= 1
+        self._queue.put((future, outputs, error))
+
+    def close(self) -> None:
+        """End every thread once the futures handed over so far are complete."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, outputs, error = item
+            if error is None:
+                future.set_result(outputs)
+            else:
+                future.set_exception(error)
+            with self._lock:
+                self._idle += 1
+
+
 class Completer:
     """One process group's completion thread (started on the first call, stopped by :meth:`close`)."""
 
@@ -75,6 +121,7 @@ class Completer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._callbacks = Callbacks(name)
 
     def work(self, pending: Sequence[Pending], finish: Finish,
              source: Callable[[], int] | None = None) -> FutureWork:
@@ -92,12 +139,13 @@ class Completer:
         return FutureWork(future)
 
     def close(self) -> None:
-        """Let the thread finish the calls queued so far, then end."""
+        """Let the thread finish the calls queued so far, then end (and the callback threads)."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             thread.join()
+        self._callbacks.close()
 
     def _start(self) -> None:
         if self._thread is None:
@@ -113,6 +161,6 @@ class Completer:
             try:
                 outputs = finish([_wait(p) for p in pending])
             except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
-                future.set_exception(error)
+                self._callbacks.complete(future, None, error)
             else:
-                future.set_result(outputs)
+                self._callbacks.complete(future, outputs, None)
