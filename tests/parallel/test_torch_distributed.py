@@ -299,6 +299,15 @@ def test_a_new_group_reduces_among_its_members_only(case, rank, size):
                  else inputs[rank])
 
 
+def test_subgroups_by_enumeration_reduce_within_each_subgroup(case, rank, size):
+    parities = [list(range(start, size, 2)) for start in range(min(2, size))]  # evens, odds
+    mine, _ = dist.new_subgroups_by_enumeration(parities)
+    inputs = all_inputs(case, "float32", (3,))
+    tensor = to_torch(inputs[rank])
+    dist.all_reduce(tensor, group=mine)
+    assert_array(tensor.numpy(), reference_allreduce([inputs[r] for r in parities[rank % 2]], Sum))
+
+
 def test_a_second_group_of_every_rank_works_beside_the_default_one(case, rank):
     group = dist.new_group(list(range(dist.get_world_size())))
     inputs = all_inputs(case, "int64", (2,), Max)
