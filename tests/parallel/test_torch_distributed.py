@@ -8,6 +8,7 @@ itself. The collectives of a test run before its assertions (see tests/parallel/
 
 from __future__ import annotations
 
+import datetime
 import functools
 import threading
 import time
@@ -261,6 +262,23 @@ def test_a_pending_future_completes_off_the_calling_thread(case, rank, size):
     assert rank == late or threads[0] != threading.get_ident()
 
 
+def test_wait_with_a_timeout_raises_when_the_collective_is_still_pending(rank, size):
+    if size == 1:
+        pytest.skip("one rank's collective does not wait for another")
+    late = size - 1
+    if rank == late:
+        time.sleep(0.5)
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    timed_out = False
+    if rank != late:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.05))
+        except TimeoutError:
+            timed_out = True
+    work.wait()
+    assert rank == late or timed_out
+
+
 def test_coalesced_all_reduces_reduce_every_tensor(case, rank):
     inputs = [all_inputs(f"{case}.{i}", "float32", (i + 1, 2)) for i in range(3)]
     tensors = [to_torch(x[rank]) for x in inputs]
@@ -475,6 +493,22 @@ def test_ddp_no_sync_accumulates_and_reduces_on_the_next_backward(rank, size):
         optimizer.zero_grad()
     for got, want in zip(model.module.parameters(), trained_alone(2, size, accumulate=2)):
         torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_ddp_with_torchs_fp16_compress_hook_trains_like_one_process_to_fp16_precision(rank, size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(TwoHeads())
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for got, want in zip(model.module.parameters(), trained_alone(3, size)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=2e-3)
 
 
 def test_torch_zero_redundancy_optimizer_trains_like_one_process(rank, size):
