@@ -125,6 +125,15 @@ def test_all_gather_gives_every_ranks_tensor_in_rank_order(case, rank, size, dty
         assert_array(to_numpy(got, dtype), want)
 
 
+def test_all_gather_coalesced_gives_rank_r_s_tensors_in_list_r(case, rank, size):
+    inputs = [all_inputs(f"{case}.{i}", "int32", (i + 1,)) for i in range(2)]  # inputs[i][rank]
+    outputs = [[torch.empty(i + 1, dtype=torch.int32) for i in range(2)] for _ in range(size)]
+    dist.all_gather_coalesced(outputs, [to_torch(inputs[i][rank]) for i in range(2)])
+    for r in range(size):
+        for i in range(2):
+            assert_array(outputs[r][i].numpy(), inputs[i][r])
+
+
 def test_all_gather_of_uneven_sizes_gives_each_rank_its_own_size(case, rank, size):
     inputs = all_inputs(case, "float32", [(r + 1, 2) for r in range(size)])
     outputs = [torch.empty((r + 1, 2)) for r in range(size)]
@@ -315,6 +324,19 @@ def test_a_new_group_reduces_among_its_members_only(case, rank, size):
         assert dist.get_rank(group) == members.index(rank)
     assert_array(tensor.numpy(), reference_allreduce(inputs[:len(members)], Sum) if rank in members
                  else inputs[rank])
+
+
+def test_gradsync_can_register_the_ranks_of_a_torch_subgroup_again(case, rank, size):
+    """A torch group's process set is known to its members only: the other ranks would not agree
+    that gradsync.add_process_set of the same ranks repeats it (and would wait for the members)."""
+    members = [0]
+    dist.new_group(members)
+    process_set = gradsync.add_process_set(members)
+    try:
+        got = gradsync.allreduce(np.ones(2), op=Sum, process_set=process_set) if rank in members else None
+    finally:
+        gradsync.remove_process_set(process_set)
+    assert rank not in members or (got == 1.0).all()
 
 
 def test_subgroups_by_enumeration_reduce_within_each_subgroup(case, rank, size):

@@ -155,9 +155,9 @@ class Runtime:
         if outside:
             raise ValueError(f"{where}: ranks {outside} of {process_set.ranks} are not ranks of this "
                              f"job (0 .. {self.size - 1})")
-        for state in list(self.process_sets.values())[1:]:
+        for ident, state in list(self.process_sets.items())[1:]:
             other = state.process_set
-            if other.ranks == process_set.ranks:
+            if ident < MEMBER_SET_IDS and other.ranks == process_set.ranks:  # members' sets: not all know
                 raise ValueError(f"{where}: {other} already has the ranks {process_set.ranks}")
         member = self.rank in process_set.ranks
         comm = self.control.Split(0 if member else MPI.UNDEFINED, key=self.rank)
@@ -169,7 +169,8 @@ class Runtime:
         """Register ``process_set`` collectively over its members only (MPI_Comm_create_group), for
         front doors whose non-members never hear of the set (a torch.distributed ``new_group``). Its
         id comes from a range of its own (``MEMBER_SET_IDS`` up), so that the ids of the sets that
-        :meth:`add_process_set` registers stay equal on every rank; it is freed at shutdown."""
+        :meth:`add_process_set` registers stay equal on every rank, and :meth:`add_process_set` may
+        register the same ranks again (the other ranks do not know this set); freed at shutdown."""
         group = self.control.Get_group().Incl(process_set.ranks)
         comm = self.control.Create_group(group)
         group.Free()

@@ -139,7 +139,10 @@ class GradsyncProcessGroup(dist.ProcessGroup):
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         return movement.allgather(self, output_lists, inputs, opts)
 
-    allgather_coalesced = allgather
+    def allgather_coalesced(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
+        """``all_gather_coalesced``, whose ``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
+        by_input = [[outputs[i] for outputs in output_lists] for i in range(len(inputs))]
+        return movement.allgather(self, by_input, inputs, opts, "all_gather_coalesced")
 
     def all_gather_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
         return movement.allgather_into(self, [output], [tensor], opts)
@@ -220,11 +223,12 @@ def _p2p_comm(rt: Any, ranks: list[int]) -> Any:
 
 
 def _process_set(rt: Any, ranks: list[int]) -> ProcessSet:
-    """The registered process set of ``ranks``: the global set, one already registered, or a new one
-    registered by the group's members (non-members of a torch group never call the creator)."""
+    """The process set of ``ranks``: the global set, or one registered by the group's members (torch
+    calls the creator on members only), shared by the torch groups of the same ranks. A set the
+    user registered is not borrowed: the user may remove it."""
     if ranks == list(range(rt.size)):
         return global_process_set
-    for state in list(rt.process_sets.values()):
-        if state.process_set is not None and state.process_set.ranks == ranks:
+    for ident, state in list(rt.process_sets.items()):
+        if ident >= runtime.MEMBER_SET_IDS and state.process_set.ranks == ranks:
             return state.process_set
     return rt.add_member_process_set(ProcessSet(ranks))
