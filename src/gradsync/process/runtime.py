@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # imported by init() only: they import mpi4py.MPI, which init
 
 log = logging.getLogger("gradsync")
 
+#: The first id of the process sets registered by their members only (add_member_process_set).
+MEMBER_SET_IDS = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSetState:
@@ -142,9 +145,6 @@ class Runtime:
         """See :func:`gradsync.add_process_set` (``process_set``: a :class:`~gradsync.ProcessSet`)."""
         from mpi4py import MPI
 
-        from ..backends.mpi import MpiBackend
-        from ..engine.coordinator import Coordinator
-
         where = f"gradsync: rank {self.rank}: add_process_set"
         if process_set.process_set_id is not None:
             raise ValueError(f"{where}: {process_set} is already registered")
@@ -156,16 +156,35 @@ class Runtime:
         if outside:
             raise ValueError(f"{where}: ranks {outside} of {process_set.ranks} are not ranks of this "
                              f"job (0 .. {self.size - 1})")
-        for state in list(self.process_sets.values())[1:]:
+        for ident, state in list(self.process_sets.items())[1:]:
             other = state.process_set
-            if other.ranks == process_set.ranks:
+            if ident < MEMBER_SET_IDS and other.ranks == process_set.ranks:  # members' sets: not all know
                 raise ValueError(f"{where}: {other} already has the ranks {process_set.ranks}")
         member = self.rank in process_set.ranks
         comm = self.control.Split(0 if member else MPI.UNDEFINED, key=self.rank)
         ident = self._next_set_id
         self._next_set_id += 1
+        return self._register(process_set, ident, comm if member else None)
+
+    def add_member_process_set(self, process_set: Any) -> Any:
+        """Register ``process_set`` collectively over its members only (MPI_Comm_create_group), for
+        front doors whose non-members never hear of the set (a torch.distributed ``new_group``). Its
+        id comes from a range of its own (``MEMBER_SET_IDS`` up), so that the ids of the sets that
+        :meth:`add_process_set` registers stay equal on every rank, and :meth:`add_process_set` may
+        register the same ranks again (the other ranks do not know this set); freed at shutdown."""
+        group = self.control.Get_group().Incl(process_set.ranks)
+        comm = self.control.Create_group(group)
+        group.Free()
+        ident = MEMBER_SET_IDS + len([i for i in self.process_sets if i >= MEMBER_SET_IDS])
+        return self._register(process_set, ident, comm)
+
+    def _register(self, process_set: Any, ident: int, comm: Any) -> Any:
+        """Give ``process_set`` the id ``ident`` and, with ``comm`` (None: not a member), a coordinator."""
+        from ..backends.mpi import MpiBackend
+        from ..engine.coordinator import Coordinator
+
         coordinator = None
-        if member:
+        if comm is not None:
             backend = MpiBackend(comm, shared=_shared_memory(comm, self.config))
             coordinator = Coordinator(comm, self.config, backend=backend,
                                       world_ranks=list(process_set.ranks), process_set_id=ident,

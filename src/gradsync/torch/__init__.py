@@ -13,7 +13,7 @@ namespace keeps its own API (``gradsync.allreduce`` has no ``average=`` and no a
 Importing it imports torch; ``import gradsync`` alone does not.
 """
 
-from . import elastic
+from . import distributed, elastic
 from .basics import (
     Adasum,
     Average,
@@ -92,6 +92,8 @@ from .powersgd import PowerSGD
 from .reducer.buckets import Bucket
 from .sync_batch_norm import SyncBatchNorm
 from .zero import ZeroRedundancyOptimizer
+
+distributed.register()  # the torch.distributed backend "gradsync" (docs/torch-distributed.md)
 
 __all__ = [
     # gradsync's own, also in the gradsync namespace

@@ -1,0 +1,63 @@
+"""A ``torch.distributed`` backend on gradsync's engine: under ``mpiexec -n N`` (or ``srun``)::
+
+    import gradsync.torch  # registers the backend "gradsync" and the rendezvous "gradsync://"
+    dist.init_process_group(backend="gradsync", init_method="gradsync://")
+
+needs no MASTER_ADDR, no port and no torchrun variables: rank and world size are gradsync's (the
+rendezvous calls ``gradsync.init()`` if needed). Every call of the group submits to gradsync's
+engine; docs/torch-distributed.md lists what works and what does not yet.
+
+``import gradsync.torch`` calls :func:`register`, which only records two functions with torch;
+the process group's modules are imported when torch first creates a group.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+BACKEND = "gradsync"
+
+
+def register() -> None:
+    """Register the "gradsync" backend (CPU tensors) and the "gradsync://" rendezvous with
+    torch.distributed; does nothing where torch.distributed is unavailable, or a second time."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    if BACKEND not in rendezvous._rendezvous_handlers:
+        rendezvous.register_rendezvous_handler(BACKEND, _rendezvous)
+
+
+def _create(opts: Any, pg_options: Any = None) -> Any:
+    from .group import create
+
+    return create(opts, pg_options)
+
+
+def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    """``init_method="gradsync://"``: gradsync's rank and size, and a process-local store (the
+    backend exchanges nothing through it: c10d keeps its bookkeeping there).
+
+    Raises:
+        ValueError: a ``rank`` or ``world_size`` (given to ``init_process_group``) other than gradsync's.
+    """
+    import torch.distributed as dist
+
+    from ...process import runtime
+
+    runtime.init()
+    query = {key: int(values[0]) for key, values in parse_qs(urlparse(url).query).items()
+             if key in ("rank", "world_size")}
+    rank, size = runtime.rank(), runtime.size()
+    for key, mine in (("rank", rank), ("world_size", size)):
+        if query.get(key, -1) not in (-1, mine):
+            raise ValueError(f"gradsync://: {key}={query[key]} was given, but gradsync's {key} is "
+                             f"{mine} (leave it out: it comes from the MPI launcher)")
+    yield dist.HashStore(), rank, size

@@ -1,0 +1,234 @@
+"""The ``torch.distributed`` process group of the "gradsync" backend.
+
+A :class:`GradsyncProcessGroup` is a Python ``dist.ProcessGroup`` on one gradsync process set (the
+global set for the default group, one set per ``new_group``): every call submits to gradsync's
+engine (negotiation, fusion, shared memory, MPI) through the public async ops and returns a Work
+whose future completes from the group's completion thread (:mod:`.work`). Collectives are named
+``torch.<group name>.<call>.<n>``: torch requires every rank of a group to issue its calls in the same
+order, so the n-th call has the same name on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...process import runtime
+from ...process_sets import ProcessSet, global_process_set
+from . import movement, reductions
+from .point_to_point import PointToPoint
+from .work import Completer
+
+BACKEND = "gradsync"
+
+
+class GradsyncProcessGroup(dist.ProcessGroup):
+    """A torch process group whose collectives run on gradsync's engine over ``process_set``.
+
+    Args:
+        rank: this process's rank in the group. size: the group's number of ranks.
+        process_set: the registered gradsync process set of the group's ranks.
+        world_ranks: the group's world ranks, in group-rank order (sorted).
+        p2p_comm: the group's own MPI communicator for send and recv (None: they raise).
+    """
+
+    def __init__(self, rank: int, size: int, process_set: ProcessSet, world_ranks: Sequence[int],
+                 p2p_comm: Any = None) -> None:
+        super().__init__(rank, size)
+        self.process_set = process_set
+        self._world_ranks = list(world_ranks)
+        self._group_name = ""
+        self._group_desc = ""
+        self._count = itertools.count()
+        self._count_lock = threading.Lock()
+        self.completer = Completer(f"pg{process_set.process_set_id}")
+        self._p2p = PointToPoint(p2p_comm, f"pg{process_set.process_set_id}")
+
+    # -- what the calls need
+    def next_name(self, call: str) -> str:
+        """The engine name of this group's next call (the same on every rank, see the module)."""
+        with self._count_lock:
+            n = next(self._count)
+        return f"torch.{self._group_name}.{call}.{n}"
+
+    def world_rank(self, group_rank: int) -> int:
+        """The world rank of the group's rank ``group_rank`` (a root)."""
+        if not 0 <= group_rank < len(self._world_ranks):
+            raise ValueError(f"gradsync: root rank {group_rank} is not a rank of this group "
+                             f"(0 .. {len(self._world_ranks) - 1})")
+        return self._world_ranks[group_rank]
+
+    # -- names and identity (c10d bookkeeping, DeviceMesh and FSDP2 read them)
+    def getBackendName(self) -> str:  # noqa: N802 - the C++ trampoline's name
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def shutdown(self) -> None:
+        """End the completion threads and free the send/recv communicator
+        (``destroy_process_group``); gradsync itself keeps running."""
+        self.completer.close()
+        self._p2p.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # -- reductions
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        return reductions.allreduce(self, _listed(tensors), opts)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+        return reductions.allreduce_coalesced(self, tensors, opts)
+
+    def reduce(self, tensors: Any, opts: Any) -> Any:
+        return reductions.reduce(self, tensors, opts)
+
+    def reduce_scatter(self, outputs: Any, input_lists: Any, opts: Any = None) -> Any:
+        return reductions.reduce_scatter(self, outputs, input_lists, opts)
+
+    def reduce_scatter_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
+        return reductions.reduce_scatter_tensors(self, [output], [tensor], opts, "reduce_scatter_tensor")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return reductions.reduce_scatter_tensors(self, outputs, inputs, opts, "reduce_scatter_tensor")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement
+    def broadcast(self, tensors: Any, opts: Any) -> Any:
+        return movement.broadcast(self, _listed(tensors), opts)
+
+    def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
+        return movement.allgather(self, output_lists, inputs, opts)
+
+    def allgather_coalesced(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
+        """``all_gather_coalesced``, whose ``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
+        by_input = [[outputs[i] for outputs in output_lists] for i in range(len(inputs))]
+        return movement.allgather(self, by_input, inputs, opts, "all_gather_coalesced")
+
+    def all_gather_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
+        return movement.allgather_into(self, [output], [tensor], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return movement.allgather_into(self, outputs, inputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_lists: Any, inputs: Any, opts: Any) -> Any:
+        return movement.gather(self, output_lists, inputs, opts)
+
+    def scatter(self, outputs: Any, input_lists: Any, opts: Any) -> Any:
+        return movement.scatter(self, outputs, input_lists, opts)
+
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return movement.alltoall(self, outputs, inputs, opts)
+
+    def all_to_all_single(self, output: Any, tensor: Any, output_splits: Any, input_splits: Any,
+                          opts: Any = None) -> Any:
+        return movement.alltoall_single(self, output, tensor, output_splits, input_splits, opts)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> Any:
+        return movement.barrier(self, opts)
+
+    # -- point to point, beside the engine (see point_to_point)
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+        return self._p2p.send(_listed(tensors), dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+        return self._p2p.recv(_listed(tensors), src, tag)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
+        return self._p2p.recv(_listed(tensors), None, tag)
+
+    def __repr__(self) -> str:
+        return (f"<GradsyncProcessGroup {self._group_name!r} rank {self.rank()} of {self.size()}, "
+                f"{self.process_set}>")
+
+
+def _listed(tensors: Any) -> list[torch.Tensor]:
+    """A call's tensors as a list (torch passes a list; a bare tensor is accepted too)."""
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
+    """The backend's creator (``Backend.register_backend(..., extended_api=True)``): the group of
+    ``opts.global_ranks_in_group`` (empty: the default group, every rank), on its process set.
+
+    Raises:
+        ValueError: torch's rank or size disagree with gradsync's; group ranks that are not sorted.
+    """
+    runtime.init()  # no-op when running; the rendezvous already initialised gradsync for the default group
+    rt = runtime.get()
+    ranks = list(opts.global_ranks_in_group) or list(range(rt.size))
+    if ranks != sorted(ranks):
+        raise ValueError(f"gradsync: a process group's ranks must be in increasing order, got {ranks}")
+    if ranks[opts.group_rank] != rt.rank or len(ranks) != opts.group_size:
+        raise ValueError(f"gradsync: torch says rank {opts.group_rank} of {opts.group_size} in group "
+                         f"{ranks}, but this is gradsync's rank {rt.rank} of {rt.size}")
+    process_set = _process_set(rt, ranks)
+    return GradsyncProcessGroup(opts.group_rank, opts.group_size, process_set, ranks, _p2p_comm(rt, ranks))
+
+
+def _p2p_comm(rt: Any, ranks: list[int]) -> Any:
+    """A new communicator of ``ranks`` for the group's send and recv, made collectively by the
+    group's members (on the user thread's communicator, which the coordinators do not use)."""
+    if len(ranks) == rt.size:
+        return rt.control.Dup()
+    group = rt.control.Get_group().Incl(ranks)
+    comm = rt.control.Create_group(group)
+    group.Free()
+    return comm
+
+
+def _process_set(rt: Any, ranks: list[int]) -> ProcessSet:
+    """The process set of ``ranks``: the global set, or one registered by the group's members (torch
+    calls the creator on members only), shared by the torch groups of the same ranks. A set the
+    user registered is not borrowed: the user may remove it."""
+    if ranks == list(range(rt.size)):
+        return global_process_set
+    for ident, state in list(rt.process_sets.items()):
+        if ident >= runtime.MEMBER_SET_IDS and state.process_set.ranks == ranks:
+            return state.process_set
+    return rt.add_member_process_set(ProcessSet(ranks))

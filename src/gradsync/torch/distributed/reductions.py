@@ -1,0 +1,137 @@
+"""The reducing calls of the process group: allreduce (and coalesced), reduce, reduce_scatter.
+
+Each function takes the process group (its process set, names and completer), submits to gradsync's
+engine through the public async ops and returns a torch ``Work``. Results land in torch's own
+tensors: in place where the engine can write there (allreduce), else copied by the call's finish in
+the completion thread. Local checks of torch's arguments that the other ranks cannot see (an output
+of the wrong size) fail in the finish, after the collective ran, so that no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ... import ops
+from .movement import gather_rows
+from .reduce_ops import Reduction, reduction
+
+
+def _reduction(pg: Any, opts: Any, tensor: torch.Tensor, call: str) -> Reduction:
+    return reduction(getattr(opts, "reduceOp", None), tensor.dtype, f"gradsync: {call}")
+
+
+def _submit_allreduce(pg: Any, tensor: torch.Tensor, how: Reduction, name: str, in_place: bool) -> Any:
+    start = ops.allreduce_async_ if in_place else ops.allreduce_async
+    return start(tensor, name=name, op=how.op, prescale_factor=how.prescale, process_set=pg.process_set)
+
+
+def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place."""
+    name = pg.next_name("allreduce")
+    pending, folds = [], []
+    for i, tensor in enumerate(tensors):
+        how = _reduction(pg, opts, tensor, "all_reduce")
+        if how.fold is None:
+            pending.append(_submit_allreduce(pg, tensor, how, f"{name}.{i}", True))
+        else:
+            pending.append(gather_rows(pg, tensor, f"{name}.{i}"))
+        folds.append(how)
+
+    def finish(results: list[Any]) -> list[torch.Tensor]:
+        for tensor, how, result in zip(tensors, folds, results):
+            if how.fold is not None:
+                tensor.copy_(how.gathered(result))
+        return list(tensors)
+
+    return pg.completer.work(pending, finish)
+
+
+def allreduce_coalesced(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+    """The coalesced allreduce of DDP and ``_coalescing_manager``: one grouped allreduce (one fused
+    buffer) when the tensors share a dtype and the op is the engine's, else one allreduce each."""
+    tensors = list(tensors)
+    if not tensors:
+        return pg.completer.done([])
+    how = _reduction(pg, opts, tensors[0], "all_reduce_coalesced")
+    if how.fold is not None or len({t.dtype for t in tensors}) > 1:
+        return allreduce(pg, tensors, opts)
+    handle = ops.grouped_allreduce_async_(tensors, name=pg.next_name("allreduce_coalesced"), op=how.op,
+                                          prescale_factor=how.prescale, process_set=pg.process_set)
+    return pg.completer.work([handle], lambda results: tensors)
+
+
+def reduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+    """``dist.reduce``: the reduction lands in the root's tensors; the others' are left alone."""
+    name = pg.next_name("reduce")
+    at_root = pg.rank() == opts.rootRank
+    pending, folds = [], []
+    for i, tensor in enumerate(tensors):
+        how = _reduction(pg, opts, tensor, "reduce")
+        if how.fold is None:
+            pending.append(_submit_allreduce(pg, tensor, how, f"{name}.{i}", False))
+        else:
+            pending.append(gather_rows(pg, tensor, f"{name}.{i}"))
+        folds.append(how)
+
+    def finish(results: list[Any]) -> list[torch.Tensor]:
+        if at_root:
+            for tensor, how, result in zip(tensors, folds, results):
+                tensor.copy_(result if how.fold is None else how.gathered(result))
+        return list(tensors)
+
+    return pg.completer.work(pending, finish)
+
+
+def _check_numel(tensor: torch.Tensor, numel: int, what: str) -> None:
+    if tensor.numel() != numel:
+        raise ValueError(f"gradsync: {what}: the output has {tensor.numel()} elements, the input "
+                         f"gives {numel} per rank")
+
+
+def _submit_reducescatter(pg: Any, rows: torch.Tensor, opts: Any, name: str, call: str) -> tuple:
+    """A reducescatter of ``rows`` (one row per rank: this rank gets the reduction of its row), as
+    (handle, how); a bitwise op gathers every rank's ``rows`` instead."""
+    how = _reduction(pg, opts, rows, call)
+    if how.fold is not None:
+        return gather_rows(pg, rows, name), how
+    return ops.reducescatter_async(rows, name=name, op=how.op, prescale_factor=how.prescale,
+                                   process_set=pg.process_set), how
+
+
+def _my_row(pg: Any, how: Reduction, result: torch.Tensor) -> torch.Tensor:
+    """This rank's reduced row, from a reducescatter's (1, n) or a bitwise gather's (size, size, n)."""
+    return result[0] if how.fold is None else how.gathered(result)[pg.rank()]
+
+
+def reduce_scatter_tensors(pg: Any, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                           opts: Any, call: str) -> Any:
+    """``reduce_scatter_tensor`` (and its coalesced form): ``inputs[i]`` holds ``size`` blocks of
+    ``outputs[i]``'s size, rank r gets the reduction of block r."""
+    name = pg.next_name("reduce_scatter")
+    submitted = [_submit_reducescatter(pg, inp.reshape(pg.size(), -1), opts, f"{name}.{i}", call)
+                 for i, inp in enumerate(inputs)]
+
+    def finish(results: list[Any]) -> list[torch.Tensor]:
+        for output, (_, how), result in zip(outputs, submitted, results):
+            row = _my_row(pg, how, result)
+            _check_numel(output, row.numel(), call)
+            output.copy_(row.reshape(output.shape))
+        return list(outputs)
+
+    return pg.completer.work([handle for handle, _ in submitted], finish)
+
+
+def reduce_scatter(pg: Any, outputs: Sequence[torch.Tensor], input_lists: Sequence[Sequence[torch.Tensor]],
+                   opts: Any) -> Any:
+    """``dist.reduce_scatter``: ``input_lists[i][r]`` reduced over the ranks lands in rank r's
+    ``outputs[i]``."""
+    stacked = []
+    for inputs in input_lists:
+        if len(inputs) != pg.size():
+            raise ValueError(f"gradsync: reduce_scatter: {len(inputs)} input tensors for "
+                             f"{pg.size()} ranks")
+        stacked.append(torch.stack([t.reshape(-1) for t in inputs]))
+    return reduce_scatter_tensors(pg, outputs, stacked, opts, "reduce_scatter")
