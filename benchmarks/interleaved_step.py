@@ -17,6 +17,8 @@ The configurations (``train_step.py``'s models and optimizer, SGD with momentum,
 * ``lockstep``: one process's training with an ``MPI_Barrier`` after each backward (no data moved:
   the least a synchronous data-parallel step can take, ``train_step.py --mode lockstep``);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo;
+* ``ddp-gradsync``: the same DDP over gradsync's ``torch.distributed`` backend (docs/torch-distributed.md):
+  the default group when ``ddp`` is not run, else a ``new_group(backend="gradsync")`` of every rank;
 * ``gradsync``: ``gradsync.DistributedOptimizer`` with its defaults (fusion threshold
   ``--fusion-threshold``, default 1 MiB as ``train_step.py --compare``);
 * ``floor``: one process's training on every rank at once, no barrier (``train_step.py``'s N
@@ -44,7 +46,7 @@ sys.path.insert(0, HERE)
 import benchenv  # noqa: E402
 import train_step  # noqa: E402
 
-CONFIGS = ("lockstep", "ddp", "gradsync", "floor")
+CONFIGS = ("lockstep", "ddp", "ddp-gradsync", "gradsync", "floor")
 
 
 class Config:
@@ -59,15 +61,16 @@ class Config:
         self.block_medians: list[float] = []
 
 
-def build(name: str, kind: str, comm, gradsync):
-    """The configuration ``name``: its own model with the seed-0 weights, and its optimizer."""
+def build(name: str, kind: str, comm, gradsync, groups: dict):
+    """The configuration ``name``: its own model with the seed-0 weights, and its optimizer.
+    ``groups``: the torch process group of ``ddp`` and ``ddp-gradsync`` (None: the default group)."""
     import torch
 
     torch.manual_seed(0)
     model = train_step.build_model(kind)
     barrier = None
-    if name == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    if name in ("ddp", "ddp-gradsync"):
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[name])
         optimizer = train_step.make_optimizer("sgd", model)
     elif name == "gradsync":
         optimizer = gradsync.DistributedOptimizer(train_step.make_optimizer("sgd", model),
@@ -76,6 +79,26 @@ def build(name: str, kind: str, comm, gradsync):
         optimizer = train_step.make_optimizer("sgd", model)
         barrier = comm.Barrier if name == "lockstep" else None
     return Config(name, model, optimizer, barrier)
+
+
+def start_torch_distributed(names: list[str], comm) -> dict:
+    """Start torch.distributed for the DDP configurations in ``names``: gloo as the default group
+    for ``ddp`` (a TCP rendezvous on 127.0.0.1), gradsync's backend for ``ddp-gradsync`` (the
+    default group, or a group of every rank beside gloo). Returns {configuration: group}."""
+    if "ddp" not in names and "ddp-gradsync" not in names:
+        return {}
+    import torch.distributed as dist
+
+    import gradsync.torch  # noqa: F401  (registers backend "gradsync" and gradsync://)
+
+    if "ddp" not in names:
+        dist.init_process_group(backend="gradsync", init_method="gradsync://")
+        return {"ddp-gradsync": None}
+    port = comm.bcast(29500 + os.getpid() % 1000, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+    gradsync_group = dist.new_group(backend="gradsync") if "ddp-gradsync" in names else None
+    return {"ddp": None, "ddp-gradsync": gradsync_group}
 
 
 def run_step(config: Config, x, y, loss_fn) -> tuple[float, float, float, int]:
@@ -138,13 +161,8 @@ def main() -> None:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    if "ddp" in names:
-        import torch.distributed as dist
-
-        port = comm.bcast(29500 + os.getpid() % 1000, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)
-    configs = [build(name, args.model, comm, gradsync) for name in names]
+    groups = start_torch_distributed(names, comm)
+    configs = [build(name, args.model, comm, gradsync, groups) for name in names]
     torch.manual_seed(1 + rank)
     x, y = train_step.sample_batch(args.model)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -159,7 +177,7 @@ def main() -> None:
             config.cpu_ms.append(cpu * 1e3)
         config.step_ms += steps
         config.block_medians.append(statistics.median(steps))
-    if "ddp" in names:
+    if groups:
         torch.distributed.destroy_process_group()
     if rank != 0:
         return
@@ -184,7 +202,8 @@ def main() -> None:
         print(f"{values[0]:<14}" + "".join(f"{v:>14.2f}" for v in values[1:5])
               + f"{values[5]:>14.0f}" + f"{values[6]:>14.3f}")
     by_name = {config.name: config for config in configs}
-    for a, b in (("gradsync", "ddp"), ("lockstep", "ddp"), ("gradsync", "lockstep")):
+    for a, b in (("gradsync", "ddp"), ("ddp-gradsync", "ddp"), ("gradsync", "ddp-gradsync"),
+                 ("lockstep", "ddp"), ("gradsync", "lockstep"), ("ddp-gradsync", "lockstep")):
         if a in by_name and b in by_name and b != first.name:
             print(f"{a} / {b} (paired): {paired_ratio(by_name[a], by_name[b]):.3f}")
     if args.csv:

@@ -1,0 +1,92 @@
+"""Latency of a blocking ``torch.distributed.all_reduce`` on gradsync's backend, beside gloo and raw MPI.
+
+    mpiexec -n 2 python benchmarks/dist_allreduce.py [--bytes 4K] [--iters 2000] [--csv PATH]
+
+One launch: torch.distributed's default group on gloo (a TCP rendezvous on 127.0.0.1) and a group of
+every rank on gradsync's backend (``new_group(backend="gradsync")``, docs/torch-distributed.md).
+Each iteration times, in turn, a float32 SUM ``dist.all_reduce`` of ``--bytes`` on the gradsync
+group, the same on gloo, ``gradsync.allreduce_`` under one name (the engine's own path, response
+cache warm) and ``comm.Allreduce`` on MPI_COMM_WORLD; each call starts right after an MPI barrier and
+an iteration's time is the slowest rank's. Rank 0 prints the median and the 90th percentile of each
+(milliseconds) and each one's ratio to raw MPI. Issue 35's target: the gradsync row <= 0.1 ms at 4 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import benchenv
+import numpy as np
+import torch
+import torch.distributed as dist
+from collectives import parse_bytes
+from mpi4py import MPI
+
+import gradsync
+import gradsync.torch  # noqa: F401  (registers backend "gradsync")
+
+
+def timed(world: MPI.Comm, call) -> float:
+    """The slowest rank's seconds for ``call()``, started right after a barrier."""
+    world.Barrier()
+    start = time.perf_counter()
+    call()
+    return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bytes", default="4K", help="message size (binary units: 4K, 1M)")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args()
+    environ = dict(os.environ)
+    torch.set_num_threads(1)
+    gradsync.init()
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    port = world.bcast(29500 + os.getpid() % 1000, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    group = dist.new_group(backend="gradsync")
+    count = parse_bytes(args.bytes) // 4
+    tensor = torch.ones(count, dtype=torch.float32)
+    array = np.ones(count, dtype=np.float32)
+    calls = {
+        "dist.all_reduce, gradsync": lambda: dist.all_reduce(tensor, group=group),
+        "dist.all_reduce, gloo": lambda: dist.all_reduce(tensor),
+        "gradsync.allreduce_": lambda: gradsync.allreduce_(array, name="latency", op=gradsync.Sum),
+        "MPI Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, array),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(args.warmup + args.iters):
+        for name, call in calls.items():
+            tensor.fill_(1.0)
+            array.fill(1.0)
+            seconds = timed(world, call)
+            result = float(tensor[-1]) if name.startswith("dist") else float(array[-1])
+            if result != size:
+                raise SystemExit(f"rank {rank}: {name} gave {result}, expected {size}")
+            if i >= args.warmup:
+                times[name].append(seconds * 1e3)
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    raw = statistics.median(times["MPI Allreduce"])
+    print(f"blocking allreduce of {args.bytes}B float32, {size} ranks, {args.iters} iterations, "
+          f"interleaved; {benchenv.mpi_library()}")
+    print(f"{'call':<28}{'median ms':>12}{'p90 ms':>10}{'vs MPI':>10}")
+    rows = []
+    for name, values in times.items():
+        median, p90 = statistics.median(values), statistics.quantiles(values, n=10)[-1]
+        rows.append({"call": name, "median_ms": median, "p90_ms": p90, "vs_mpi": median / raw})
+        print(f"{name:<28}{median:>12.4f}{p90:>10.4f}{median / raw:>10.1f}")
+    if args.csv:
+        benchenv.write_csv(args.csv, rows, benchenv.environment(size, environ))
+
+
+if __name__ == "__main__":
+    main()
