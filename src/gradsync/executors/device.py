@@ -336,6 +336,7 @@ class DeviceExecutor:
         if self._watchdog is None:
             self._watchdog = DeviceWatchdog(runtime, device, self._backend(), self.timeline,
                                             self._on_error, f"rank {self.world_rank}")
+            self._watchdog.start()
         self._watchdog.track(item)
 
     def close(self, abort: bool = False) -> None:

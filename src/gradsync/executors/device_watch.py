@@ -75,6 +75,9 @@ class DeviceWatchdog:
         self._closed = False
         self._thread = threading.Thread(target=self._watch, name="gradsync-device-watchdog",
                                         daemon=True)
+
+    def start(self) -> None:
+        """Start the thread that waits for the tracked work (once, before the first :meth:`track`)."""
         self._thread.start()
 
     def track(self, item: Outstanding) -> None:
@@ -88,7 +91,8 @@ class DeviceWatchdog:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(5.0)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
         with self._cond:
             self._outstanding.clear()
 
