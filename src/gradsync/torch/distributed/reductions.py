@@ -28,17 +28,26 @@ def _submit_allreduce(pg: Any, tensor: torch.Tensor, how: Reduction, name: str, 
     return start(tensor, name=name, op=how.op, prescale_factor=how.prescale, process_set=pg.process_set)
 
 
-def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
-    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place."""
-    name = pg.next_name("allreduce")
+def _submit_each(pg: Any, tensors: Sequence[torch.Tensor], opts: Any, call: str,
+                 in_place: bool) -> tuple[list[Any], list[Any]]:
+    """One reduction per tensor under the call's next name (``allreduce`` for ``all_reduce``):
+    the engine's allreduce, or for the ops it lacks an allgather to fold on every rank. Returns the
+    pending handles and each tensor's reduction."""
+    name = pg.next_name("allreduce" if call == "all_reduce" else call)
     pending, folds = [], []
     for i, tensor in enumerate(tensors):
-        how = _reduction(pg, opts, tensor, "all_reduce")
+        how = _reduction(pg, opts, tensor, call)
         if how.fold is None:
-            pending.append(_submit_allreduce(pg, tensor, how, f"{name}.{i}", True))
+            pending.append(_submit_allreduce(pg, tensor, how, f"{name}.{i}", in_place))
         else:
             pending.append(gather_rows(pg, tensor, f"{name}.{i}"))
         folds.append(how)
+    return pending, folds
+
+
+def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place."""
+    pending, folds = _submit_each(pg, tensors, opts, "all_reduce", True)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
         for tensor, how, result in zip(tensors, folds, results):
@@ -65,16 +74,8 @@ def allreduce_coalesced(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> 
 
 def reduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
     """``dist.reduce``: the reduction lands in the root's tensors; the others' are left alone."""
-    name = pg.next_name("reduce")
     at_root = pg.rank() == opts.rootRank
-    pending, folds = [], []
-    for i, tensor in enumerate(tensors):
-        how = _reduction(pg, opts, tensor, "reduce")
-        if how.fold is None:
-            pending.append(_submit_allreduce(pg, tensor, how, f"{name}.{i}", False))
-        else:
-            pending.append(gather_rows(pg, tensor, f"{name}.{i}"))
-        folds.append(how)
+    pending, folds = _submit_each(pg, tensors, opts, "reduce", False)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
         if at_root:
