@@ -348,6 +348,28 @@ def test_subgroups_by_enumeration_reduce_within_each_subgroup(case, rank, size):
     assert_array(tensor.numpy(), reference_allreduce([inputs[r] for r in parities[rank % 2]], Sum))
 
 
+def test_overlapping_subgroups_have_one_id_on_every_member_and_reduce_apart(case, rank, size):
+    """Every pair of ranks as a group (at 3 ranks: {0,1}, {0,2}, {1,2}, so each rank's member-only
+    sets are made in another order): the members of a pair agree on its process set's id, and
+    each pair reduces among its own ranks."""
+    pairs = [[a, b] for a in range(size) for b in range(a + 1, size)]
+    groups = [dist.new_group(pair) for pair in pairs]
+    inputs = all_inputs(case, "float64", (2,))
+    ids, sums = {}, {}
+    for pair, group in zip(pairs, groups):
+        if rank in pair:
+            tensor = to_torch(inputs[rank])
+            dist.all_reduce(tensor, group=group)
+            ids[tuple(pair)], sums[tuple(pair)] = group.process_set.process_set_id, tensor.numpy()
+    every = [None] * size
+    dist.all_gather_object(every, ids)
+    for pair in pairs:
+        assert len({every[r][tuple(pair)] for r in pair}) == 1, (pair, every)
+    assert len({ident for ranks_ids in every for ident in ranks_ids.values()}) == len(pairs)
+    for pair, got in sums.items():
+        assert_array(got, reference_allreduce([inputs[r] for r in pair], Sum))
+
+
 def test_a_second_group_of_every_rank_works_beside_the_default_one(case, rank):
     group = dist.new_group(list(range(dist.get_world_size())))
     inputs = all_inputs(case, "int64", (2,), Max)

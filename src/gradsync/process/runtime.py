@@ -171,12 +171,16 @@ class Runtime:
         front doors whose non-members never hear of the set (a torch.distributed ``new_group``). Its
         id comes from a range of its own (``MEMBER_SET_IDS`` up), so that the ids of the sets that
         :meth:`add_process_set` registers stay equal on every rank, and :meth:`add_process_set` may
-        register the same ranks again (the other ranks do not know this set); freed at shutdown."""
+        register the same ranks again (the other ranks do not know this set); freed at shutdown.
+        The members agree on the id (the largest of their next free ones, one allreduce on the new
+        communicator), so that messages name the set alike on every member even when sets overlap."""
+        from mpi4py import MPI
+
         group = self.control.Get_group().Incl(process_set.ranks)
         comm = self.control.Create_group(group)
         group.Free()
-        ident = MEMBER_SET_IDS + len([i for i in self.process_sets if i >= MEMBER_SET_IDS])
-        return self._register(process_set, ident, comm)
+        mine = max((i + 1 for i in self.process_sets if i >= MEMBER_SET_IDS), default=MEMBER_SET_IDS)
+        return self._register(process_set, comm.allreduce(mine, op=MPI.MAX), comm)
 
     def _register(self, process_set: Any, ident: int, comm: Any) -> Any:
         """Give ``process_set`` the id ``ident`` and, with ``comm`` (None: not a member), a coordinator."""
