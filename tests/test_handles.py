@@ -93,3 +93,36 @@ def test_a_handle_that_is_done_is_never_hurried():
     with pytest.raises(CollectiveError, match="gone"):
         handle.wait()
     assert calls == [] and not handle.waited
+
+
+def test_done_callbacks_run_once_on_completion_or_at_once_when_already_done():
+    handle, seen = Handle("x"), []
+    handle.add_done_callback(lambda h: seen.append(("first", h.wait(0.0))))
+    handle.add_done_callback(lambda h: seen.append(("second", h.done())))
+    assert seen == []
+    handle.complete(3)
+    handle.complete(4)  # a second completion changes nothing and calls nothing again
+    handle.add_done_callback(lambda h: seen.append(("late", h.wait(0.0))))
+    assert seen == [("first", 3), ("second", True), ("late", 3)]
+
+
+def test_a_failed_handle_calls_back_and_a_raising_callback_is_dropped(caplog):
+    handle, seen = Handle("x"), []
+    handle.add_done_callback(lambda h: 1 / 0)
+    handle.add_done_callback(lambda h: seen.append(h.done()))
+    handle.fail(CollectiveError("lost"))
+    assert seen == [True]
+    assert "done callback" in caplog.text and "ZeroDivisionError" in caplog.text
+
+
+def test_a_group_calls_back_once_its_last_member_is_done():
+    members = [Handle("a"), Handle("b")]
+    group, seen = GroupHandle("g", members), []
+    group.add_done_callback(lambda g: seen.append(g.wait(0.0)))
+    members[1].complete("B")
+    assert seen == []
+    members[0].complete("A")
+    assert seen == [["A", "B"]]
+    empty: list[object] = []
+    GroupHandle("none", []).add_done_callback(lambda g: empty.append(g.name))
+    assert empty == ["none"]

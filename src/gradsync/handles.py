@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import _thread
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 _COMPLETING = threading.Lock()
+log = logging.getLogger("gradsync")
 
 
 class Handle:
@@ -23,7 +25,7 @@ class Handle:
     """
 
     __slots__ = ("name", "_done", "_gate", "_result", "_error", "_completion", "_runner", "_hurry",
-                 "waited", "divisor")
+                 "waited", "divisor", "_callbacks")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -47,6 +49,7 @@ class Handle:
         #: the same on every rank), for a framework layer that finishes an Average itself (the
         #: sparse gradients' allgather, Horovod's integer scaling). 0 until then.
         self.divisor = 0
+        self._callbacks: list[Callable[[Handle], None]] | None = None
 
     def done(self) -> bool:
         """True once the collective has finished, successfully or not; never blocks."""
@@ -107,6 +110,19 @@ class Handle:
             return True
         return self._done
 
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        """Call ``callback(handle)`` once the collective has finished, successfully or not (then
+        :meth:`wait` no longer blocks); at once, in this thread, if it already has. Otherwise it
+        runs in the thread that completes the handle (gradsync's coordinator thread, or the
+        watchdog's when a rank is lost): it must be quick, must not block and must not wait for
+        another collective. An exception it raises is logged and dropped. Same contract as
+        ``concurrent.futures.Future.add_done_callback``."""
+        with _COMPLETING:
+            if not self._done:
+                self._callbacks = [*(self._callbacks or ()), callback]
+                return
+        _call_back(callback, self)
+
     def complete(self, result: Any, completion: tuple[Any, int, Any] | None = None,
                  divisor: int = 0) -> None:
         """Finish with ``result`` (what :meth:`wait` returns), unless already finished: the first
@@ -118,21 +134,31 @@ class Handle:
             divisor: the Average divisor the coordinator decided (:attr:`divisor`).
         """
         with _COMPLETING:  # the first completion wins: the watchdog may fail a handle concurrently
-            if not self._done:
-                self._result = result
-                self._completion = completion
-                self.divisor = divisor
-                self._done = True
-                self._gate.release()
+            if self._done:
+                return
+            self._result = result
+            self._completion = completion
+            self.divisor = divisor
+            self._done = True
+            self._gate.release()
+        self._run_callbacks()
 
     def fail(self, error: BaseException) -> None:
         """Finish with ``error`` (what :meth:`wait` raises), unless already finished (as
         :meth:`complete`)."""
         with _COMPLETING:
-            if not self._done:
-                self._error = error
-                self._done = True
-                self._gate.release()
+            if self._done:
+                return
+            self._error = error
+            self._done = True
+            self._gate.release()
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        """After completion (the callbacks list no longer changes: add_done_callback sees done)."""
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            _call_back(callback, self)
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self.done() else "pending")
@@ -162,6 +188,24 @@ class GroupHandle:
         """:attr:`Handle.divisor` of the group (its members ran as one collective)."""
         return self.handles[0].divisor
 
+    def add_done_callback(self, callback: Callable[[GroupHandle], None]) -> None:
+        """Call ``callback(group_handle)`` once every member has finished; as
+        :meth:`Handle.add_done_callback` (it runs in the thread that completes the last member)."""
+        left = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one_done(_: Handle) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback(self)
+
+        if not self.handles:
+            _call_back(callback, self)
+        for handle in self.handles:
+            handle.add_done_callback(one_done)
+
     def wait(self, timeout: float | None = None) -> list[Any]:
         """Block until every member finished; return their outputs, in the order of the inputs.
 
@@ -172,3 +216,10 @@ class GroupHandle:
 
     def __repr__(self) -> str:
         return f"<gradsync.GroupHandle {self.name!r} of {len(self.handles)}>"
+
+
+def _call_back(callback: Callable[[Any], None], handle: Any) -> None:
+    try:
+        callback(handle)
+    except Exception:  # noqa: BLE001 - a callback's failure must not fail the thread completing it
+        log.exception("gradsync: a done callback of %r raised", handle)
