@@ -72,6 +72,8 @@ def _kind(op: dist.ReduceOp | RedOpType) -> RedOpType:
 
 
 def _factor(op: dist.ReduceOp) -> float:
-    """PREMUL_SUM's factor: a number or a one-element tensor (``_make_nccl_premul_sum``)."""
-    factor = op.factor
+    """PREMUL_SUM's factor: a number or a one-element tensor (``_make_nccl_premul_sum``), read from
+    ``op.factor`` (torch >= 2.13) or from the op's pickled state ``(op, factor)`` (older torch,
+    which keeps the factor in C++ only)."""
+    factor = op.factor if hasattr(op, "factor") else op.__getstate__()[1]
     return float(factor.item() if isinstance(factor, torch.Tensor) else factor)

@@ -1,17 +1,31 @@
-"""torch ``Work`` objects whose futures complete from a gradsync thread.
+"""torch ``Work`` objects whose futures complete from gradsync's threads, or from the waiter's.
 
 torch's C++ callers (DDP's reducer in an autograd thread, ``Work.wait()``) hold a
-``torch.futures.Future`` and chain callbacks on it. A :class:`Completer` owns one daemon thread per
-process group: it waits for the gradsync handles of each call in submission order and runs the
-call's *finish* (copy results into torch's output tensors). It then hands the future to
-:class:`Callbacks`, whose threads complete it: the future's callbacks run there, never in the
-thread that submitted the collective, and never in the completer's, because a callback may block
-on another collective of the group (PowerSGD's hook waits inside its ``then``), which only the
-completer thread can finish.
+``torch.futures.Future`` and chain callbacks on it. Each call of the process group is a
+:class:`_Call`: its pending gradsync handles (or deferred blocking calls), its *finish* (copy the
+results into torch's output tensors) and its future. Whoever takes the call first finishes it and
+completes the future, exactly once:
+
+* a thread that waits for it (``work.wait()``, which a blocking ``dist.all_reduce`` calls right
+  after submitting): it waits for the handles itself, finishes, and completes the future in its own
+  thread, with no hand-off to another thread and back;
+* otherwise, once its last handle completes (a done callback, in gradsync's coordinator thread),
+  one of the :class:`Callbacks` threads: the future's callbacks run there, never in the
+  coordinator's thread, and never where a callback that blocks on another collective of the group
+  (PowerSGD's hook waits inside its ``then``) could hold that collective back.
+
+Calls whose pending items are deferred blocking calls (a barrier ordered after the group's earlier
+calls, the waits of ``send``/``recv``) are run in order by the :class:`Completer`'s own thread.
+
+torch before 2.13 keeps no reference to the Python object of a ``Work`` it got from a Python
+process group: once Python drops it, a C++ caller's ``wait()`` (DDP's parameter check) reaches the
+C++ base class and blocks for good. There the completer keeps each Work alive until its future
+completes and the most recent ones after that (:data:`KEEP_ALIVE`).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import queue
 import threading
@@ -26,24 +40,73 @@ Pending = Any
 #: Turns the handles' results (in the order of the pending list) into the future's value.
 Finish = Callable[[list[Any]], list[torch.Tensor]]
 
+#: How many completed Works stay referenced on torch < 2.13 (see the module docstring); 0 elsewhere.
+KEEP_ALIVE = 256 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13) else 0
+
+
+class _Call:
+    """One call of the process group in flight; :meth:`take` says who finishes it (see the module)."""
+
+    __slots__ = ("pending", "finish", "future", "deferred", "_taken", "_lock")
+
+    def __init__(self, pending: Sequence[Pending], finish: Finish) -> None:
+        self.pending = list(pending)
+        self.finish = finish
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.deferred = not all(hasattr(p, "add_done_callback") for p in self.pending)
+        self._taken = False
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        """True for the first thread that asks: it must then call :meth:`run`."""
+        with self._lock:
+            taken, self._taken = self._taken, True
+        return not taken
+
+    def outcome(self) -> tuple[Any, BaseException | None]:
+        """Wait for every pending item (here, in the calling thread) and finish: (outputs, None),
+        or (None, the error)."""
+        try:
+            return self.finish([_wait(p) for p in self.pending]), None
+        except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
+            return None, error
+
+    def run(self) -> None:
+        """:meth:`outcome`, then complete the future in this thread (its callbacks run here)."""
+        _settle(self.future, *self.outcome())
+
+
+def _settle(future: torch.futures.Future, outputs: Any, error: BaseException | None) -> None:
+    if error is None:
+        future.set_result(outputs)
+    else:
+        future.set_exception(error)
+
 
 class FutureWork(dist.Work):
     """A torch ``Work`` on a future. Unlike torch's ``_create_work_from_future``, whose ``wait()``
     returns True even when the future failed, :meth:`wait` raises the collective's error."""
 
-    def __init__(self, future: torch.futures.Future, source: Callable[[], int] | None = None) -> None:
+    def __init__(self, future: torch.futures.Future, source: Callable[[], int] | None = None,
+                 call: _Call | None = None) -> None:
         super().__init__()
         self._future = future
         self._source = source
+        self._call = call
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the collective finished; raise its error (gradsync's CollectiveError, ...).
+        Without a timeout, a call no other thread has taken is finished in this thread.
 
         Raises:
             TimeoutError: a finite, positive ``timeout`` (a timedelta or seconds) passed first.
         """
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        if seconds is not None and seconds > 0 and not self._future.done():
+        bounded = seconds is not None and seconds > 0
+        call = self._call
+        if call is not None and not bounded and not call.deferred and call.take():
+            call.run()
+        if bounded and not self._future.done():
             finished = threading.Event()
             self._future.add_done_callback(lambda _: finished.set())
             if not finished.wait(seconds):
@@ -71,8 +134,9 @@ def _wait(pending: Pending) -> Any:
 
 
 class Callbacks:
-    """Daemon threads that complete futures (and so run their callbacks): one more whenever every
-    thread is busy, so a callback that blocks on a later future never holds that future back."""
+    """Daemon threads that finish calls and complete their futures (and so run the futures'
+    callbacks): one more whenever every thread is busy, so a callback that blocks on a later
+    future never holds that future back."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -81,8 +145,8 @@ class Callbacks:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def complete(self, future: torch.futures.Future, outputs: Any, error: BaseException | None) -> None:
-        """Set ``future``'s result ``outputs`` (or its exception ``error``) in a callback thread."""
+    def run(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (finish a call, complete its future) in a callback thread; any thread."""
         with self._lock:
             if self._idle == 0:
                 thread = threading.Thread(target=self._run, daemon=True,
@@ -91,10 +155,10 @@ class Callbacks:
                 thread.start()
             else:
                 self._idle -= 1
-        self._queue.put((future, outputs, error))
+        self._queue.put(job)
 
     def close(self) -> None:
-        """End every thread once the futures handed over so far are complete."""
+        """End every thread once the jobs handed over so far are done."""
         with self._lock:
             threads, self._threads = self._threads, []
         for _ in threads:
@@ -103,18 +167,15 @@ class Callbacks:
             thread.join()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, outputs, error = item
-            if error is None:
-                future.set_result(outputs)
-            else:
-                future.set_exception(error)
+        while (job := self._queue.get()) is not None:
+            job()
             with self._lock:
                 self._idle += 1
 
 
 class Completer:
-    """One process group's completion thread (started on the first call, stopped by :meth:`close`)."""
+    """One process group's completions: callback threads for calls on gradsync handles, and a
+    thread (started on the first deferred call, stopped by :meth:`close`) for deferred ones."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -122,21 +183,49 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._callbacks = Callbacks(name)
+        self._recent: collections.deque = collections.deque(maxlen=KEEP_ALIVE)
 
     def work(self, pending: Sequence[Pending], finish: Finish,
              source: Callable[[], int] | None = None) -> FutureWork:
         """A torch ``Work`` whose future gets ``finish(results of pending)`` (or its error);
         ``source``: a receive's sender, for :meth:`FutureWork._source_rank`."""
-        future: torch.futures.Future = torch.futures.Future()
-        self._start()
-        self._queue.put((list(pending), finish, future))
-        return FutureWork(future, source)
+        call = _Call(pending, finish)
+        work = self._kept(FutureWork(call.future, source, call))
+        if call.deferred:
+            self._start()
+            self._queue.put(call)
+        else:
+            left = [len(call.pending)]
+            count = threading.Lock()
+
+            def one_done(_: Any) -> None:  # in the thread completing a handle: hand over, no more
+                with count:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last and call.take():
+                    self._callbacks.run(call.run)
+
+            if not call.pending and call.take():
+                self._callbacks.run(call.run)
+            for handle in call.pending:
+                handle.add_done_callback(one_done)
+        return work
 
     def done(self, outputs: list[torch.Tensor]) -> FutureWork:
         """A ``Work`` already complete with ``outputs`` (a call that moves nothing)."""
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(outputs)
-        return FutureWork(future)
+        return self._kept(FutureWork(future))
+
+    def _kept(self, work: FutureWork) -> FutureWork:
+        """``work``, referenced until its future completes and among the :data:`KEEP_ALIVE` most
+        recent after that (torch < 2.13, see the module docstring)."""
+        if KEEP_ALIVE:
+            self._recent.append(work)
+            future = work.get_future()
+            if not future.done():
+                future.add_done_callback(lambda _, work=work: self._recent.append(work))
+        return work
 
     def close(self) -> None:
         """Let the thread finish the calls queued so far, then end (and the callback threads)."""
@@ -156,11 +245,8 @@ class Completer:
                     self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            pending, finish, future = item
-            try:
-                outputs = finish([_wait(p) for p in pending])
-            except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
-                self._callbacks.complete(future, None, error)
-            else:
-                self._callbacks.complete(future, outputs, None)
+        """The deferred calls, in submission order: run here, completed in a callback thread."""
+        while (call := self._queue.get()) is not None:
+            if call.take():
+                outcome = call.outcome()
+                self._callbacks.run(lambda call=call, outcome=outcome: _settle(call.future, *outcome))
