@@ -33,6 +33,13 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     if BACKEND not in rendezvous._rendezvous_handlers:
         rendezvous.register_rendezvous_handler(BACKEND, _rendezvous)
+    # torch >= 2.15 attaches its flight recorder to every group of a backend not in this set, through
+    # the C++ group's registered backends, which a Python process group has none of (creating any
+    # group then raises "Could not find the default backend type"); gradsync records nothing there.
+    recording = getattr(importlib.import_module("torch.distributed.distributed_c10d"),
+                        "_FR_SELF_RECORDING_BACKENDS", None)
+    if recording is not None:
+        recording.add(BACKEND)
 
 
 def _create(opts: Any, pg_options: Any = None) -> Any:

@@ -100,6 +100,11 @@ class GradsyncProcessGroup(dist.ProcessGroup):
     def _device_types(self) -> list[torch.device]:
         return [torch.device("cpu")]
 
+    def _get_backend(self, device: Any = None) -> GradsyncProcessGroup:
+        """The group's backend for ``device``: the group itself (a Python process group has no C++
+        backends; torch >= 2.15's ``batch_isend_irecv`` asks for one)."""
+        return self
+
     def shutdown(self) -> None:
         """End the completion threads and free the send/recv communicator
         (``destroy_process_group``); gradsync itself keeps running."""
