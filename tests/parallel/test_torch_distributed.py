@@ -381,6 +381,21 @@ def test_a_second_group_of_every_rank_works_beside_the_default_one(case, rank):
     assert_array(b.numpy(), reference_allreduce(inputs, Min))
 
 
+def test_more_asynchronous_calls_in_flight_than_names_each_get_their_own_result(case, rank):
+    """More outstanding all_reduces than the group's rotating names (group.SLOTS): a call whose
+    name is still in flight waits for it, and every call still gets its own tensor's reduction."""
+    from gradsync.torch.distributed.group import SLOTS
+
+    count = 2 * SLOTS + 7
+    inputs = [all_inputs(f"{case}-{i}", "float64", (i % 5 + 1,)) for i in range(count)]
+    tensors = [to_torch(per_rank[rank]) for per_rank in inputs]
+    works = [dist.all_reduce(tensor, async_op=True) for tensor in tensors]
+    for work in works:
+        work.wait()
+    for tensor, per_rank in zip(tensors, inputs):
+        assert_array(tensor.numpy(), reference_allreduce(per_rank, Sum))
+
+
 def test_ranks_that_disagree_on_a_shape_all_get_the_error_and_the_group_still_works(rank, size):
     if size == 1:
         pytest.skip("one rank agrees with itself")

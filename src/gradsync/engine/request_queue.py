@@ -180,6 +180,14 @@ class TensorQueue:
             for name in names:
                 self._in_flight.pop(name, None)
 
+    def handles_named(self, name: str) -> list[Handle]:
+        """A snapshot of the handles in flight named ``name`` or ``name.<member>`` (a group's
+        members, a front door's per-tensor names): what a caller that reuses ``name`` waits for."""
+        prefix = name + "."
+        with self._cond:
+            return [entry.handle for key, entry in self._in_flight.items()
+                    if key == name or key.startswith(prefix)]
+
     def pending_names(self) -> list[str]:
         """A snapshot of the names in flight (for the stall reports of other process sets)."""
         with self._cond:

@@ -4,13 +4,13 @@ A :class:`GradsyncProcessGroup` is a Python ``dist.ProcessGroup`` on one gradsyn
 global set for the default group, one set per ``new_group``): every call submits to gradsync's
 engine (negotiation, fusion, shared memory, MPI) through the public async ops and returns a Work
 whose future completes from the group's completion thread (:mod:`.work`). Collectives are named
-``torch.<group name>.<call>.<n>``: torch requires every rank of a group to issue its calls in the same
-order, so the n-th call has the same name on every rank.
+``torch.<group name>.<call>.<n>`` (for the calls the response cache serves, ``n`` modulo
+:data:`SLOTS`): torch requires every rank of a group to issue its calls in the same order, so the
+n-th call has the same name on every rank.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +25,11 @@ from .point_to_point import PointToPoint
 from .work import Completer
 
 BACKEND = "gradsync"
+#: Engine names per call kind that rotate (:meth:`GradsyncProcessGroup.next_name`): 60 is divided
+#: by every period up to 6 and by 10, 12, 15, 20 and 30.
+SLOTS = 60
+#: The calls whose collectives the response cache serves (allreduce, broadcast, reducescatter).
+ROTATING = frozenset({"allreduce", "allreduce_coalesced", "reduce", "broadcast", "reduce_scatter"})
 
 
 class GradsyncProcessGroup(dist.ProcessGroup):
@@ -44,17 +49,36 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         self._world_ranks = list(world_ranks)
         self._group_name = ""
         self._group_desc = ""
-        self._count = itertools.count()
+        self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
         self.completer = Completer(f"pg{process_set.process_set_id}")
         self._p2p = PointToPoint(p2p_comm, f"pg{process_set.process_set_id}")
 
     # -- what the calls need
     def next_name(self, call: str) -> str:
-        """The engine name of this group's next call (the same on every rank, see the module)."""
+        """The engine name of this group's next call (the same on every rank, see the module).
+
+        The calls the response cache serves (:data:`ROTATING`) take their names from
+        :data:`SLOTS` names per call kind, in turn: a loop that repeats a pattern of calls whose
+        length divides :data:`SLOTS` gives each slot the same tensor signature every time, which
+        the cache then negotiates with one bit. A slot still in flight from :data:`SLOTS` calls
+        ago (many asynchronous calls outstanding) is waited for first, here, so that the name is
+        free; which name a call gets depends only on the group's program order."""
         with self._count_lock:
-            n = next(self._count)
-        return f"torch.{self._group_name}.{call}.{n}"
+            n = self._counts.get(call, 0)
+            self._counts[call] = n + 1
+        if call not in ROTATING:
+            return f"torch.{self._group_name}.{call}.{n}"
+        name = f"torch.{self._group_name}.{call}.{n % SLOTS}"
+        for handle in self._coordinator().queue.handles_named(name):
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - its own Work reports it; here only the name matters
+                pass
+        return name
+
+    def _coordinator(self) -> Any:
+        return runtime.get().coordinator_for(self.process_set, "gradsync: torch.distributed")
 
     def world_rank(self, group_rank: int) -> int:
         """The world rank of the group's rank ``group_rank`` (a root)."""
