@@ -20,6 +20,10 @@ outcomes of the tests before it. The suite's skips by ``sys.exit(code)`` (``skip
 
 The suite skips what a backend does not declare: gradsync is declared a plugin backend with the
 "ddp" and "subgroup" features (it runs DDP and new_group on CPU), not "gpu"/"cuda" (CPU tensors only).
+Many tests are gated to a backend by name ("Only Gloo backend supports ..."); with ``PEER=gloo``
+(or ``PEER=mpi``) those gates, and the test bodies' branches on the backend's name, read as for
+that backend, while the tests run on gradsync (torch is given "gradsync"), so gloo's (mpi's) CPU
+tests run too.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import unittest
 
 os.environ.setdefault("BACKEND", "gradsync")
 os.environ.setdefault("INIT_METHOD", "gradsync://")
+os.environ.setdefault("PYTORCH_PRINT_REPRO_ON_FAILURE", "0")
 os.environ.setdefault("WORLD_SIZE", os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "2")))
 
 import torch  # noqa: E402
@@ -45,9 +50,36 @@ import gradsync.torch  # noqa: E402,F401 - registers the backend and the gradsyn
 for feature in ("plugin", "ddp", "subgroup"):
     common_distributed.DistTestCases.backend_feature[feature].add("gradsync")
 
+BACKEND = os.environ["BACKEND"]
+#: PEER=gloo or PEER=mpi: the suite's backend gates (decorators, evaluated at import) read as for
+#: that backend, so its tests gated to gloo's (or mpi's) CPU features run too, on gradsync.
+PEER = os.environ.get("PEER", "")
+if PEER:
+    os.environ["BACKEND"] = PEER
+    _mpi_available, dist.is_mpi_available = dist.is_mpi_available, lambda: True
+
 from torch.testing._internal.distributed import distributed_test as suite  # noqa: E402
 
-BACKEND = os.environ["BACKEND"]
+
+class _AsPeer(str):
+    """The suite's ``BACKEND`` in its test bodies under PEER: the string "gradsync" (what torch is
+    given, ``BACKEND.lower()``), that compares (==, !=, in a set) as equal to PEER, so the bodies'
+    branches for the peer (``if BACKEND == "gloo": ...`` builds gloo's CPU model) are taken."""
+
+    def __eq__(self, other: object) -> bool:
+        return other == PEER or str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(PEER)
+
+
+if PEER:
+    suite.BACKEND = _AsPeer(BACKEND)
+    os.environ["BACKEND"] = BACKEND
+    dist.is_mpi_available = _mpi_available
 _SKIP_CODES = {skip.exit_code: skip.message for skip in common_distributed.TEST_SKIPS.values()}
 
 
@@ -175,8 +207,8 @@ class _Log(unittest.TestResult):
 
     def _error(self, test, err) -> None:
         kind, value, _ = err
-        lines = traceback.format_exception_only(kind, value)
-        self._write(test, "failed", lines[-1] if lines else kind.__name__)
+        first = (str(value).strip().splitlines() or [""])[0]
+        self._write(test, "failed", f"{kind.__name__}: {first}" if first else kind.__name__)
         sys.stderr.write("".join(traceback.format_exception(*err)))
 
     def addError(self, test, err) -> None:  # noqa: N802

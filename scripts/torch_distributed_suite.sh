@@ -13,7 +13,9 @@
 #
 # Needs gradsync.torch importable by `python` on PATH and mpiexec on PATH (the .venv's MPICH).
 # Usage: scripts/torch_distributed_suite.sh [-k-style expression on test names, e.g. "all_reduce and not cuda"]
-# Environment: RANKS (default 2), BATCH tests per job (default 20; 1: one job per test), TEST_TIMEOUT
+# Environment: PEER (gloo or mpi: the suite's gates by backend name are read as for that backend, so
+# the tests it runs for gloo's or mpi's CPU features run too, on gradsync; default: none, the suite
+# as it treats a new plugin backend), RANKS (default 2), BATCH tests per job (default 20; 1: one job per test), TEST_TIMEOUT
 # seconds a job may go without a test ending (default 120), OUT (default
 # ${TMPDIR:-/tmp}/torch-distributed-suite): the per-rank outputs and results.tsv (name, outcome,
 # seconds, first line of the error or the skip reason; a failure on any rank fails the test).
@@ -97,4 +99,4 @@ for t in $tests; do
 done
 [ ${#batch[@]} -gt 0 ] && run_batch "${batch[@]}"
 grep -vP '\t(passed|skipped)\t' "$OUT/results.tsv" | tail -n +2
-echo "torch's distributed_test.py on gradsync, $RANKS ranks: passed $passed, failed $failed, skipped $skipped, timed out $timed_out (every outcome: $OUT/results.tsv)"
+echo "torch's distributed_test.py on gradsync${PEER:+ (gated as $PEER)}, $RANKS ranks: passed $passed, failed $failed, skipped $skipped, timed out $timed_out (every outcome: $OUT/results.tsv)"
