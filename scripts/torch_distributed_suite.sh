@@ -92,11 +92,7 @@ run_batch() {  # run_batch TEST...: see the header
   done
 }
 
-batch=()
-for t in $tests; do
-  batch+=("$t")
-  if [ ${#batch[@]} -ge "$BATCH" ]; then run_batch "${batch[@]}"; batch=(); fi
-done
-[ ${#batch[@]} -gt 0 ] && run_batch "${batch[@]}"
+mapfile -t tests <<< "$tests"
+for ((i = 0; i < ${#tests[@]}; i += BATCH)); do run_batch "${tests[@]:i:BATCH}"; done
 grep -vP '\t(passed|skipped)\t' "$OUT/results.tsv" | tail -n +2
 echo "torch's distributed_test.py on gradsync${PEER:+ (gated as $PEER)}, $RANKS ranks: passed $passed, failed $failed, skipped $skipped, timed out $timed_out (every outcome: $OUT/results.tsv)"
