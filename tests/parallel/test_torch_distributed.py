@@ -102,6 +102,26 @@ def test_bitwise_all_reduce_folds_every_ranks_bits(case, rank, op, dtype):
     assert_array(to_numpy(tensor, dtype), functools.reduce(BITWISE[op], inputs))
 
 
+def _sparse_input(case, rank):
+    """Rank ``rank``'s sparse (4, 3) tensor: rows 0 .. rank - 1 (none on rank 0), values from ``case``."""
+    dense = np.zeros((4, 3))
+    dense[:rank] = make(case, rank, "float64", (rank, 3))
+    return torch.from_numpy(dense).to_sparse(1)
+
+
+def test_all_reduce_of_a_sparse_tensor_sums_every_ranks_rows_as_gloo_does(case, rank, size):
+    tensor = _sparse_input(case, rank)
+    dist.all_reduce(tensor)
+    want = sum(_sparse_input(case, r).to_dense().numpy() for r in range(size))
+    assert tensor.is_sparse
+    assert_array(tensor.to_dense().numpy(), want)
+
+
+def test_a_sparse_tensor_is_only_summed(case, rank):
+    with raises(TypeError, "sparse", "SUM"):
+        dist.all_reduce(_sparse_input(case, rank), op=dist.ReduceOp.MAX)
+
+
 def test_a_bitwise_op_on_floats_is_refused_naming_the_op():
     with raises(TypeError, "BAND", "integer or bool"):
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ... import ops
+from ...engine.protocol import ReduceOp
 from .movement import gather_rows
 from .reduce_ops import Reduction, reduction
 
@@ -28,16 +29,38 @@ def _submit_allreduce(pg: Any, tensor: torch.Tensor, how: Reduction, name: str, 
     return start(tensor, name=name, op=how.op, prescale_factor=how.prescale, process_set=pg.process_set)
 
 
+def _submit_sparse(pg: Any, tensor: torch.Tensor, how: Reduction, name: str, call: str) -> Any:
+    """The sum of a sparse COO tensor, as gloo computes it: every rank's indices and values
+    allgathered (their counts may differ), summed into one coalesced tensor. Returns a deferred
+    call that gives it.
+
+    Raises:
+        TypeError: an op other than SUM (or PREMUL_SUM).
+    """
+    if how.op is not ReduceOp.Sum or how.fold is not None:
+        raise TypeError(f"gradsync: {call}: a sparse tensor can only be summed (ReduceOp.SUM)")
+    local = tensor.coalesce()
+    values = local.values() if how.prescale == 1.0 else local.values() * how.prescale
+    indices = ops.allgather_async(local.indices().t().contiguous(), name=f"{name}.indices",
+                                  process_set=pg.process_set)
+    gathered = ops.allgather_async(values.contiguous(), name=f"{name}.values", process_set=pg.process_set)
+    return lambda: torch.sparse_coo_tensor(indices.wait().t(), gathered.wait(), tensor.shape,
+                                           check_invariants=True).coalesce()  # a rank may differ in shape
+
+
 def _submit_each(pg: Any, tensors: Sequence[torch.Tensor], opts: Any, call: str,
                  in_place: bool) -> tuple[list[Any], list[Any]]:
     """One reduction per tensor under the call's next name (``allreduce`` for ``all_reduce``):
-    the engine's allreduce, or for the ops it lacks an allgather to fold on every rank. Returns the
-    pending handles and each tensor's reduction."""
+    the engine's allreduce, or for the ops it lacks an allgather to fold on every rank, or for a
+    sparse tensor the allgathers of its indices and values. Returns the pending items and each
+    tensor's reduction."""
     name = pg.next_name("allreduce" if call == "all_reduce" else call)
     pending, folds = [], []
     for i, tensor in enumerate(tensors):
         how = _reduction(pg, opts, tensor, call)
-        if how.fold is None:
+        if tensor.is_sparse:
+            pending.append(_submit_sparse(pg, tensor, how, f"{name}.{i}", call))
+        elif how.fold is None:
             pending.append(_submit_allreduce(pg, tensor, how, f"{name}.{i}", in_place))
         else:
             pending.append(gather_rows(pg, tensor, f"{name}.{i}"))
@@ -46,13 +69,15 @@ def _submit_each(pg: Any, tensors: Sequence[torch.Tensor], opts: Any, call: str,
 
 
 def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
-    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place."""
+    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place (a sparse one summed)."""
     pending, folds = _submit_each(pg, tensors, opts, "all_reduce", True)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
         for tensor, how, result in zip(tensors, folds, results):
             if how.fold is not None:
                 tensor.copy_(how.gathered(result))
+            elif tensor.is_sparse:
+                tensor.copy_(result)
         return list(tensors)
 
     return pg.completer.work(pending, finish)
