@@ -160,6 +160,19 @@ def test_reduce_scatter_gives_rank_r_the_reduction_of_block_r(case, rank, size, 
     assert_array(output.numpy(), reference_allreduce(blocks[rank], OPS[op]))
 
 
+def test_outputs_made_in_inference_mode_are_written(case, rank, size):
+    """Lightning's validation loop runs under torch.inference_mode(): its all_gather outputs are
+    inference tensors, which the completion thread (not in that mode) must still fill."""
+    inputs = all_inputs(case, "float64", (3,))
+    with torch.inference_mode():
+        listed = [torch.empty(3, dtype=torch.float64) for _ in range(size)]
+        concatenated = torch.empty(3 * size, dtype=torch.float64)
+        dist.all_gather(listed, to_torch(inputs[rank]))
+        dist.all_gather_into_tensor(concatenated, to_torch(inputs[rank]))
+    assert_array(torch.stack(listed).numpy(), np.stack(inputs))
+    assert_array(concatenated.numpy(), np.concatenate(inputs))
+
+
 @pytest.mark.parametrize("op", ("SUM", "BXOR"))
 def test_reduce_scatter_tensor_gives_rank_r_the_reduction_of_its_rows(case, rank, size, op):
     inputs = all_inputs(case, "int64", (2 * size, 3), Max)

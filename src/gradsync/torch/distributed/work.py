@@ -159,7 +159,12 @@ class Completer:
         while (item := self._queue.get()) is not None:
             pending, finish, future = item
             try:
-                outputs = finish([_wait(p) for p in pending])
+                results = [_wait(p) for p in pending]
+                # As torch's C++ backends write results, outside autograd and whatever mode the
+                # caller's thread is in: outputs made under torch.inference_mode() (Lightning's
+                # validation loop) are inference tensors, which only inference mode may write.
+                with torch.inference_mode():
+                    outputs = finish(results)
             except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
                 self._callbacks.complete(future, None, error)
             else:
