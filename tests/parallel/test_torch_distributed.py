@@ -372,15 +372,31 @@ def test_a_second_group_of_every_rank_works_beside_the_default_one(case, rank):
     assert_array(b.numpy(), reference_allreduce(inputs, Min))
 
 
-def test_ranks_that_disagree_on_a_shape_all_get_the_error_and_the_group_still_works(rank, size):
+def _disagreeing_call(call: str, what: str, rank: int, size: int):
+    """A ``call`` on which the ranks disagree on ``what``: rank 0's tensor is float64 and the
+    others' float32, or rank r's has r + 1 elements (all_gather_into_tensor: r + 1 columns, as
+    rows of another length are a legal uneven gather). all_reduce waits on its Work, the gather
+    blocks."""
+    dtype = torch.float64 if what == "dtype" and rank == 0 else torch.float32
+    columns = rank + 1 if what == "shape" else 2
+    if call == "all_reduce":
+        tensor = torch.ones(columns, dtype=dtype)
+        return lambda: dist.all_reduce(tensor, async_op=True).wait()
+    tensor, output = torch.ones((1, columns), dtype=dtype), torch.empty((size, columns), dtype=dtype)
+    return lambda: dist.all_gather_into_tensor(output, tensor)
+
+
+@pytest.mark.parametrize("what", ("shape", "dtype"))
+@pytest.mark.parametrize("call", ("all_reduce", "all_gather_into_tensor"))
+def test_ranks_that_disagree_all_get_the_error_and_the_group_still_works(rank, size, call, what):
     if size == 1:
         pytest.skip("one rank agrees with itself")
     with pytest.raises(gradsync.CollectiveError) as caught:
-        dist.all_reduce(torch.ones(rank + 1))
+        _disagreeing_call(call, what, rank, size)()
     after = torch.ones(2)
     dist.all_reduce(after)
     message = str(caught.value)
-    assert "shape" in message and all(f"rank {r}" in message for r in range(size)), message
+    assert what in message and all(f"rank {r}" in message for r in range(size)), message
     assert_array(after.numpy(), np.full(2, float(size), np.float32))
 
 
@@ -602,6 +618,31 @@ def test_ddp_join_lets_ranks_with_fewer_batches_shadow_the_others(rank, size):
     for got, want in zip(model.module.parameters(), trained_alone_per_rank(steps_of, TwoHeads())):
         torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
 
+
+def test_a_failed_bucket_allreduce_fails_ddps_backward_in_the_callers_thread(rank, size, monkeypatch):
+    """DDP's reducer (C++, in autograd's thread) reads its bucket from the Work's future: a failed
+    allreduce must be that future's error, raised by backward() here, not an exception object
+    handed over as the future's value. The failure is injected on every rank, before any data
+    moves, so the ranks stay in step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradsync.torch.distributed import reductions
+
+    model = DistributedDataParallel(TwoHeads())
+
+    def failing(*args, **kwargs):
+        def fail():
+            raise gradsync.CollectiveError("gradsync: injected: the bucket's allreduce failed")
+        return fail
+
+    monkeypatch.setattr(reductions, "_submit_allreduce", failing)
+    x, y = batch(rank, 0)
+    with pytest.raises(RuntimeError, match="CollectiveError: gradsync: injected"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    monkeypatch.undo()
+    after = torch.ones(2)
+    dist.all_reduce(after)
+    assert_array(after.numpy(), np.full(2, float(size), np.float32))
 
 def square_model() -> torch.nn.Module:
     """Two layers of 4 x 4 weights: PowerSGD of rank 4 approximates their gradients exactly."""

@@ -8,6 +8,13 @@ call's *finish* (copy results into torch's output tensors). It then hands the fu
 thread that submitted the collective, and never in the completer's, because a callback may block
 on another collective of the group (PowerSGD's hook waits inside its ``then``), which only the
 completer thread can finish.
+
+A failed call must fail its future where C++ sees it too. ``Future.set_exception`` from Python
+does not: it stores the exception as the future's *value* (only Python's ``wait()`` raises it),
+so DDP's reducer would read an exception object as its bucket (and crash). So the Work's future
+is the ``then`` of an *outcome* future that gets (outputs, error): the ``then`` raises the error,
+which torch turns into a real error of the Work's future (a RuntimeError naming it, for C++
+callers and chained futures), and :meth:`FutureWork.wait` raises the original exception itself.
 """
 
 from __future__ import annotations
@@ -29,15 +36,22 @@ Finish = Callable[[list[Any]], list[torch.Tensor]]
 
 class FutureWork(dist.Work):
     """A torch ``Work`` on a future. Unlike torch's ``_create_work_from_future``, whose ``wait()``
-    returns True even when the future failed, :meth:`wait` raises the collective's error."""
+    returns True even when the future failed, :meth:`wait` raises the collective's error.
 
-    def __init__(self, future: torch.futures.Future, source: Callable[[], int] | None = None) -> None:
+    ``outcome``: the future of (outputs, error) that ``future`` follows (see the module), whose
+    error :meth:`wait` raises as it is (gradsync's CollectiveError, StallError, ...).
+    """
+
+    def __init__(self, future: torch.futures.Future, source: Callable[[], int] | None = None,
+                 outcome: torch.futures.Future | None = None) -> None:
         super().__init__()
         self._future = future
         self._source = source
+        self._outcome = outcome
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
-        """Block until the collective finished; raise its error (gradsync's CollectiveError, ...).
+        """Block until the collective finished; raise its error (gradsync's CollectiveError,
+        StallError, RankFailureError, ...).
 
         Raises:
             TimeoutError: a finite, positive ``timeout`` (a timedelta or seconds) passed first.
@@ -48,7 +62,13 @@ class FutureWork(dist.Work):
             self._future.add_done_callback(lambda _: finished.set())
             if not finished.wait(seconds):
                 raise TimeoutError(f"gradsync: the collective did not finish within {seconds} s")
-        self._future.wait()
+        try:
+            self._future.wait()
+        except RuntimeError:
+            error = None if self._outcome is None else self._outcome.value()[1]
+            if error is None:
+                raise
+            raise error from None
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -70,6 +90,14 @@ def _wait(pending: Pending) -> Any:
     return pending.wait() if hasattr(pending, "wait") else pending()
 
 
+def _outputs_or_raise(outcome: torch.futures.Future) -> list[torch.Tensor]:
+    """The Work's future's value: the outcome's outputs, or its error raised (see the module)."""
+    outputs, error = outcome.value()
+    if error is not None:
+        raise error
+    return outputs
+
+
 class Callbacks:
     """Daemon threads that complete futures (and so run their callbacks): one more whenever every
     thread is busy, so a callback that blocks on a later future never holds that future back."""
@@ -82,7 +110,7 @@ class Callbacks:
         self._lock = threading.Lock()
 
     def complete(self, future: torch.futures.Future, outputs: Any, error: BaseException | None) -> None:
-        """Set ``future``'s result ``outputs`` (or its exception ``error``) in a callback thread."""
+        """Set the outcome ``future``'s result, (``outputs``, ``error``), in a callback thread."""
         with self._lock:
             if self._idle == 0:
                 thread = threading.Thread(target=self._run, daemon=True,
@@ -105,10 +133,7 @@ class Callbacks:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             future, outputs, error = item
-            if error is None:
-                future.set_result(outputs)
-            else:
-                future.set_exception(error)
+            future.set_result((outputs, error))
             with self._lock:
                 self._idle += 1
 
@@ -127,10 +152,10 @@ class Completer:
              source: Callable[[], int] | None = None) -> FutureWork:
         """A torch ``Work`` whose future gets ``finish(results of pending)`` (or its error);
         ``source``: a receive's sender, for :meth:`FutureWork._source_rank`."""
-        future: torch.futures.Future = torch.futures.Future()
+        outcome: torch.futures.Future = torch.futures.Future()
         self._start()
-        self._queue.put((list(pending), finish, future))
-        return FutureWork(future, source)
+        self._queue.put((list(pending), finish, outcome))
+        return FutureWork(outcome.then(_outputs_or_raise), source, outcome)
 
     def done(self, outputs: list[torch.Tensor]) -> FutureWork:
         """A ``Work`` already complete with ``outputs`` (a call that moves nothing)."""
