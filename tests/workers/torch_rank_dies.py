@@ -8,13 +8,11 @@ victim dies before its 4th backward, while the others' backward waits on DDP's b
 which runs from autograd's thread and completes through a future) or ``pending`` (the others wait
 in a blocking ``dist.all_reduce`` the victim never issues).
 
-Prints the lines of rank_dies.py: ``DIED <time>`` on the victim; on every other rank ``ERROR
+Prints the lines of rank_dies.py (tests/workers/fault_lines.py): ``DIED <time>`` on the victim; on every other rank ``ERROR
 <type> <time> | <first line>`` when its torch call failed, then ``AGAIN <type> | <first line>``
 for the next call, which must fail at once.
 """
 
-import os
-import signal
 import sys
 import time
 
@@ -22,6 +20,7 @@ import time
 # this rank's liveness messages against the short failure timeout of these tests.
 import torch
 import torch.distributed as dist
+from fault_lines import FaultLines
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
@@ -32,19 +31,8 @@ LINGER = 1.5
 
 torch.set_num_threads(1)
 dist.init_process_group(backend="gradsync", init_method="gradsync://")
-rank = dist.get_rank()
-
-
-def say(line: str) -> None:
-    sys.stdout.write(f"rank {rank}: {line}\n")  # one write: lines of different ranks do not interleave
-    sys.stdout.flush()
-
-
-def die() -> None:
-    say(f"DIED {time.time():.3f}")
-    if MODE == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(3)
+lines = FaultLines(dist.get_rank(), MODE)
+rank = lines.rank
 
 
 def training() -> None:
@@ -54,7 +42,7 @@ def training() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(50):
         if rank == VICTIM and step == 3:
-            die()
+            lines.die()
         optimizer.zero_grad()
         model(torch.randn(8, 16)).sum().backward()
         optimizer.step()
@@ -63,7 +51,7 @@ def training() -> None:
 def pending() -> None:
     if rank == VICTIM:
         time.sleep(0.5)
-        die()
+        lines.die()
     dist.all_reduce(torch.ones(4))
 
 
@@ -71,11 +59,11 @@ dist.all_reduce(torch.ones(4))  # every rank is up
 try:
     {"training": training, "pending": pending}[WHEN]()
 except Exception as exc:  # noqa: BLE001 - what torch raises is what this reports
-    say(f"ERROR {type(exc).__name__} {time.time():.3f} | {str(exc).splitlines()[0]}")
+    lines.error(exc)
     try:  # the next call fails too, at once
         dist.all_reduce(torch.ones(4))
     except Exception as again:  # noqa: BLE001
-        say(f"AGAIN {type(again).__name__} | {str(again).splitlines()[0]}")
+        lines.again(again)
     time.sleep(LINGER)
     sys.exit(1)
-say("COMPLETED without an error")
+lines.say("COMPLETED without an error")
