@@ -68,13 +68,15 @@ def _leftovers(token: str, wait: float = 5.0) -> list[int]:
 
 
 def run_fault(ranks: int, mode: str, victim: int, when: str, hide_death: bool = False,
-              env: dict[str, str] | None = None, flags: list[str] | None = None):
-    """Run rank_dies.py (``flags``: the launcher's, default: no clean-up after a loss); return
-    (exit status, output, death time, {rank: (type, time, first line)})."""
+              env: dict[str, str] | None = None, flags: list[str] | None = None,
+              worker: str = "rank_dies.py"):
+    """Run ``worker`` (rank_dies.py, or torch_rank_dies.py: the same arguments and lines; ``flags``:
+    the launcher's, default: no clean-up after a loss); return (exit status, output, death time,
+    {rank: (type, time, first line)})."""
     if mpiexec() is None:
         pytest.skip("no mpiexec found")
     token = f"fault-{os.getpid()}-{time.monotonic_ns()}"
-    program = [sys.executable, str(WORKERS / "rank_dies.py"), mode, str(victim), when, token]
+    program = [sys.executable, str(WORKERS / worker), mode, str(victim), when, token]
     if hide_death:
         program = ["sh", "-c", '"$@"; sleep 300', "sh", *program]
     cmd = [mpiexec(), *(_no_cleanup_flags() if flags is None else flags), "-n", str(ranks), *program]
@@ -88,15 +90,20 @@ def run_fault(ranks: int, mode: str, victim: int, when: str, hide_death: bool = 
     return result.returncode, out, float(died[0][1]) if died else None, errors
 
 
-def check_survivors(ranks, victim, rc, out, died, errors, expected, bound):
+def check_survivors(ranks, victim, rc, out, died, errors, expected, bound, through_torch=False):
+    """Every survivor failed within ``bound`` s of the loss with a RankFailureError whose first
+    line names this rank and holds ``expected`` (``through_torch``: or torch's RuntimeError
+    wrapping it, as DDP's backward raises a failed future's error); returns the slowest's delay."""
     survivors = [r for r in range(ranks) if r != victim]
     assert rc != 0, out
     assert died is not None, out
     assert sorted(errors) == survivors, out
     for rank in survivors:
         kind, when, line = errors[rank]
-        assert kind == "RankFailureError", out
-        assert line.startswith(f"gradsync: rank {rank}: "), line
+        wrapped = through_torch and kind == "RuntimeError"
+        assert kind == "RankFailureError" or wrapped, out
+        assert line.startswith(f"gradsync: rank {rank}: ") or (
+            wrapped and f"RankFailureError: gradsync: rank {rank}: " in line), line
         assert expected in line, out
         assert when - died <= bound, f"rank {rank} failed {when - died:.2f} s after the loss:\n{out}"
     assert "COMPLETED" not in out, out
@@ -159,6 +166,32 @@ def test_a_failed_coordinator_thread_is_raised_here_and_stops_the_others_at_once
                            "rank 1's background coordinator failed: RuntimeError: fault injected", 1.0)
     print(f"coordinator fault, {ranks} ranks: every other rank failed {took:.2f} s later; exit {rc}")
 
+
+
+TORCH_SCENARIOS = {  # name: (mode, victim, when, hide the death from the launcher)
+    "os._exit(3) during torch DDP steps on backend gradsync": ("exit", -1, "training", False),
+    "SIGKILL during torch DDP steps on backend gradsync": ("kill", 1, "training", True),
+    "rank 0 killed while the others wait in dist.all_reduce": ("kill", 0, "pending", True),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.full)])
+@pytest.mark.parametrize("scenario", list(TORCH_SCENARIOS))
+def test_a_lost_rank_fails_every_torch_distributed_survivor_within_the_timeout(scenario, ranks):
+    """The same for torch.distributed on gradsync (tests/workers/torch_rank_dies.py): DDP's
+    backward waits on a bucket allreduce from autograd's thread, through a future; a blocking
+    dist.all_reduce through Work.wait(). Neither hangs: the error reaches the user's thread."""
+    _needs_a_launcher_that_leaves_survivors()
+    mode, victim, when, hide = TORCH_SCENARIOS[scenario]
+    victim = victim % ranks
+    rc, out, died, errors = run_fault(ranks, mode, victim, when, hide, worker="torch_rank_dies.py")
+    took = check_survivors(ranks, victim, rc, out, died, errors, f"rank {victim} stopped responding",
+                           TIMEOUT + SLACK, through_torch=True)
+    print(f"{scenario}, {ranks} ranks: every survivor failed {took:.2f} s after the loss; exit {rc}")
+    if when == "pending":  # a blocking call raises gradsync's own error, not torch's wrapper
+        assert {kind for kind, _, _ in errors.values()} == {"RankFailureError"}, out
+    assert len(re.findall(rf"AGAIN RankFailureError \| [^\n]*rank {victim} stopped responding", out)) \
+        == ranks - 1, out
 
 ULFM = ["--with-ft", "ulfm"]
 

@@ -78,6 +78,23 @@ def test_stall_warns_then_shuts_down_every_rank(ranks, cache):
     assert f"rank {last}: after the stall: StallError" in out, out
 
 
+
+@pytest.mark.mpi
+@pytest.mark.torch
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_a_dist_all_reduce_one_rank_never_issues_fails_every_rank_from_torch(ranks):
+    """torch.distributed on gradsync (tests/workers/torch_stall.py): the stall report names the
+    torch call and the missing rank, and the waiting ranks' work.wait() raises the StallError."""
+    env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3",
+           "IDLE_SECONDS": "8"}
+    out = run_mpi("torch_stall.py", ranks, env=env, timeout=90).stdout
+    last = ranks - 1
+    assert re.search(rf"'torch\.0\.allreduce\.1\.0' \(waiting \d+\.\d s\): submitted by rank\(s\) "
+                     rf"{re.escape(str(list(range(last))))}, missing on rank\(s\) \[{last}\]", out), out
+    times = [float(t) for t in re.findall(r"StallError after (\d+\.\d) s", out)]
+    assert len(times) == last and all(3.0 <= t <= 6.0 for t in times), out
+    assert f"rank {last}: after the stall: StallError" in out, out
+
 @pytest.mark.mpi
 def test_a_name_submitted_on_different_process_sets_is_reported_as_a_stall():
     env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3"}

@@ -1,9 +1,8 @@
 """gradsync.lightning under mpiexec: the Trainer and Fabric strategies train as one process would.
 
 Every rank also runs the reference itself: single-process Lightning (a single-device strategy)
-on the concatenated batch, i.e. the same global batches, in float64. DistributedSampler (no
-shuffling) gives rank r the samples r, r + size, ...: batch i of every rank together is exactly
-batch i of one process whose batch is ``size`` times larger. Logging references are numpy.
+on the concatenated batch, i.e. the same global batches, in float64 (tests/parallel/
+lightning_reference.py). Logging references are numpy.
 """
 
 from __future__ import annotations
@@ -25,64 +24,18 @@ torchmetrics = pytest.importorskip("torchmetrics")
 from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from lightning_reference import PER_RANK_BATCH, QUIET, Logged, Regression, validate_logged  # noqa: E402
+from lightning_reference import data as _data  # noqa: E402
+from lightning_reference import loader as _loader  # noqa: E402
+from lightning_reference import net as _net  # noqa: E402
+from lightning_reference import params as _params  # noqa: E402
+from lightning_reference import shuffled_as_lightning as _shuffled_as_lightning  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import gradsync  # noqa: E402
 from gradsync.lightning import GradsyncStrategy  # noqa: E402  (registers strategy="gradsync")
 
 torch.set_num_threads(1)
-PER_RANK_BATCH = 2
-QUIET = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False,
-             enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0)
-
-
-def _data(samples: int, seed: int = 0) -> TensorDataset:
-    rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.normal(size=(samples, 4)))
-    y = torch.from_numpy(rng.normal(size=(samples, 1)))
-    return TensorDataset(x, y)
-
-
-def _net() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
-
-
-class Regression(L.LightningModule):
-    """A tiny float64 MLP, SGD with momentum and a StepLR schedule (the LR changes every epoch)."""
-
-    def __init__(self, seed_offset: int = 0):
-        super().__init__()
-        self.net = _net()
-        if seed_offset:  # ranks start apart: setup must broadcast rank 0's parameters
-            with torch.no_grad():
-                for p in self.net.parameters():
-                    p.add_(seed_offset)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
-
-
-def _loader(dataset: TensorDataset, batch: int) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch, shuffle=False)
-
-
-def _shuffled_as_lightning(dataset: TensorDataset, batch: int) -> DataLoader:
-    """One process's loader in the order Lightning gives a distributed run: it always shuffles
-    training data with a DistributedSampler (seed 0, reseeded per epoch), whose permutation rank r
-    reads from position r in steps of size; so batch i of every rank together is positions
-    i * batch .. (i + 1) * batch of the same permutation."""
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    return DataLoader(dataset, batch_size=batch, sampler=sampler)
-
-
-def _params(module: torch.nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().reshape(-1).numpy() for p in module.parameters()])
 
 
 def _fit(strategy, batch: int, dataset: TensorDataset, ckpt_path=None, model=None, **trainer_args):
@@ -248,43 +201,29 @@ def test_accumulating_batches_are_not_averaged_until_the_step(size):
         assert same == (index % 3 == 2 or size == 1), f"pass {index}: same on every rank: {same}"
 
 
-class Logged(L.LightningModule):
-    """Logs, per validation batch, the batch's mean and sum (sync_dist) and feeds torchmetrics."""
+class LoggedWithMetrics(Logged):
+    """Also feeds torchmetrics and logs them."""
 
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Linear(1, 1)
         self.total = torchmetrics.SumMetric().set_dtype(torch.float64)
         self.average = torchmetrics.MeanMetric().set_dtype(torch.float64)
-        self.gathered = []
 
     def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
         (x,) = batch
-        self.log("mean", x.mean(), sync_dist=True, batch_size=len(x))
-        self.log("sum", x.sum(), sync_dist=True, reduce_fx="sum", batch_size=len(x))
-        self.log("max", x.max(), sync_dist=True, reduce_fx="max", batch_size=len(x))
         self.total.update(x)
         self.average.update(x)
         self.log("metric_sum", self.total, batch_size=len(x))
         self.log("metric_mean", self.average, batch_size=len(x))
-        self.gathered.append(self.all_gather(x))
 
 
 def test_sync_dist_sums_means_and_torchmetrics_equal_numpy(size):
-    values = np.random.default_rng(3).normal(size=16)
-    module = Logged()
     trainer = L.Trainer(strategy="gradsync", devices=1, **QUIET)
-    dataset = TensorDataset(torch.from_numpy(values))
-    [metrics] = trainer.validate(module, DataLoader(dataset, batch_size=PER_RANK_BATCH))
-    assert metrics["mean"] == pytest.approx(values.mean(), rel=1e-12)
-    assert metrics["sum"] == pytest.approx(values.sum(), rel=1e-12)
-    assert metrics["max"] == pytest.approx(values.max(), rel=1e-12)
+    metrics, values = validate_logged(trainer, LoggedWithMetrics(), size)
     # Lightning hands a Metric's value on in float32
     assert metrics["metric_sum"] == pytest.approx(values.sum(), rel=1e-6)
     assert metrics["metric_mean"] == pytest.approx(values.mean(), rel=1e-6)
-    gathered = torch.stack(module.gathered)  # (batches, ranks, batch)
-    assert gathered.shape == (16 // size // PER_RANK_BATCH, size, PER_RANK_BATCH)
-    np.testing.assert_array_equal(np.sort(gathered.numpy().reshape(-1)), np.sort(values))
 
 
 class Doubling(L.LightningModule):

@@ -180,6 +180,19 @@ def test_reduce_scatter_gives_rank_r_the_reduction_of_block_r(case, rank, size, 
     assert_array(output.numpy(), reference_allreduce(blocks[rank], OPS[op]))
 
 
+def test_outputs_made_in_inference_mode_are_written(case, rank, size):
+    """Lightning's validation loop runs under torch.inference_mode(): its all_gather outputs are
+    inference tensors, which the completion thread (not in that mode) must still fill."""
+    inputs = all_inputs(case, "float64", (3,))
+    with torch.inference_mode():
+        listed = [torch.empty(3, dtype=torch.float64) for _ in range(size)]
+        concatenated = torch.empty(3 * size, dtype=torch.float64)
+        dist.all_gather(listed, to_torch(inputs[rank]))
+        dist.all_gather_into_tensor(concatenated, to_torch(inputs[rank]))
+    assert_array(torch.stack(listed).numpy(), np.stack(inputs))
+    assert_array(concatenated.numpy(), np.concatenate(inputs))
+
+
 @pytest.mark.parametrize("op", ("SUM", "BXOR"))
 def test_reduce_scatter_tensor_gives_rank_r_the_reduction_of_its_rows(case, rank, size, op):
     inputs = all_inputs(case, "int64", (2 * size, 3), Max)
@@ -416,15 +429,31 @@ def test_more_asynchronous_calls_in_flight_than_names_each_get_their_own_result(
         assert_array(tensor.numpy(), reference_allreduce(per_rank, Sum))
 
 
-def test_ranks_that_disagree_on_a_shape_all_get_the_error_and_the_group_still_works(rank, size):
+def _disagreeing_call(call: str, what: str, rank: int, size: int):
+    """A ``call`` on which the ranks disagree on ``what``: rank 0's tensor is float64 and the
+    others' float32, or rank r's has r + 1 elements (all_gather_into_tensor: r + 1 columns, as
+    rows of another length are a legal uneven gather). all_reduce waits on its Work, the gather
+    blocks."""
+    dtype = torch.float64 if what == "dtype" and rank == 0 else torch.float32
+    columns = rank + 1 if what == "shape" else 2
+    if call == "all_reduce":
+        tensor = torch.ones(columns, dtype=dtype)
+        return lambda: dist.all_reduce(tensor, async_op=True).wait()
+    tensor, output = torch.ones((1, columns), dtype=dtype), torch.empty((size, columns), dtype=dtype)
+    return lambda: dist.all_gather_into_tensor(output, tensor)
+
+
+@pytest.mark.parametrize("what", ("shape", "dtype"))
+@pytest.mark.parametrize("call", ("all_reduce", "all_gather_into_tensor"))
+def test_ranks_that_disagree_all_get_the_error_and_the_group_still_works(rank, size, call, what):
     if size == 1:
         pytest.skip("one rank agrees with itself")
     with pytest.raises(gradsync.CollectiveError) as caught:
-        dist.all_reduce(torch.ones(rank + 1))
+        _disagreeing_call(call, what, rank, size)()
     after = torch.ones(2)
     dist.all_reduce(after)
     message = str(caught.value)
-    assert "shape" in message and all(f"rank {r}" in message for r in range(size)), message
+    assert what in message and all(f"rank {r}" in message for r in range(size)), message
     assert_array(after.numpy(), np.full(2, float(size), np.float32))
 
 
@@ -646,6 +675,31 @@ def test_ddp_join_lets_ranks_with_fewer_batches_shadow_the_others(rank, size):
     for got, want in zip(model.module.parameters(), trained_alone_per_rank(steps_of, TwoHeads())):
         torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
 
+
+def test_a_failed_bucket_allreduce_fails_ddps_backward_in_the_callers_thread(rank, size, monkeypatch):
+    """DDP's reducer (C++, in autograd's thread) reads its bucket from the Work's future: a failed
+    allreduce must be that future's error, raised by backward() here, not an exception object
+    handed over as the future's value. The failure is injected on every rank, before any data
+    moves, so the ranks stay in step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradsync.torch.distributed import reductions
+
+    model = DistributedDataParallel(TwoHeads())
+
+    def failing(*args, **kwargs):
+        def fail():
+            raise gradsync.CollectiveError("gradsync: injected: the bucket's allreduce failed")
+        return fail
+
+    monkeypatch.setattr(reductions, "_submit_allreduce", failing)
+    x, y = batch(rank, 0)
+    with pytest.raises(RuntimeError, match="CollectiveError: gradsync: injected"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    monkeypatch.undo()
+    after = torch.ones(2)
+    dist.all_reduce(after)
+    assert_array(after.numpy(), np.full(2, float(size), np.float32))
 
 def square_model() -> torch.nn.Module:
     """Two layers of 4 x 4 weights: PowerSGD of rank 4 approximates their gradients exactly."""

@@ -17,13 +17,12 @@ in seconds). A rank then waits LINGER seconds before exiting: its exit aborts th
 the behaviour under test), which would otherwise cut short a slower survivor's report.
 """
 
-import os
-import signal
 import sys
 import threading
 import time
 
 import numpy as np
+from fault_lines import FaultLines
 
 import gradsync
 
@@ -57,28 +56,13 @@ if WHEN == "training":
 
 gradsync.init()
 rank, size = gradsync.rank(), gradsync.size()
-
-
-def say(line: str) -> None:
-    sys.stdout.write(f"rank {rank}: {line}\n")  # one write: lines of different ranks do not interleave
-    sys.stdout.flush()
-
-
-def die() -> None:
-    say(f"DIED {time.time():.3f}")
-    if MODE == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(0 if MODE == "exit0" else 3)
-
-
-def report(exc: BaseException) -> None:
-    say(f"ERROR {type(exc).__name__} {time.time():.3f} | {str(exc).splitlines()[0]}")
+lines = FaultLines(rank, MODE)
 
 
 def pending() -> None:
     if rank == VICTIM:
         time.sleep(0.5)
-        die()
+        lines.die()
     gradsync.synchronize(gradsync.allreduce_async(np.ones(4), name="pending"))
 
 
@@ -90,7 +74,7 @@ def training() -> None:
                                               model.named_parameters())
     for step in range(50):
         if rank == VICTIM and step == 3:
-            die()
+            lines.die()
         optimizer.zero_grad()
         model(torch.randn(8, 16)).sum().backward()
         optimizer.step()
@@ -104,7 +88,7 @@ def data() -> None:
 
         def dying_allreduce(buffer, op, logical=False):
             if buffer.nbytes >= big.nbytes:
-                threading.Timer(0.002, die).start()
+                threading.Timer(0.002, lines.die).start()
             return real(buffer, op, logical)
 
         backend.allreduce = dying_allreduce
@@ -115,7 +99,7 @@ def in_a_set() -> None:
     members = gradsync.add_process_set(range(1, size))
     if rank == VICTIM:
         time.sleep(0.5)
-        die()
+        lines.die()
     process_set = members if rank in members.ranks else gradsync.global_process_set
     gradsync.synchronize(gradsync.allreduce_async(np.ones(4), name="pending", process_set=process_set))
 
@@ -129,11 +113,11 @@ gradsync.allreduce(np.ones(4), name="warm")  # every rank is up
 try:
     {"pending": pending, "training": training, "data": data, "steps": steps, "set": in_a_set}[WHEN]()
 except gradsync.GradsyncError as exc:
-    report(exc)
+    lines.error(exc)
     try:  # the next call fails too, at once
         gradsync.allreduce(np.ones(4), name="after")
     except gradsync.GradsyncError as again:
-        say(f"AGAIN {type(again).__name__} | {str(again).splitlines()[0]}")
+        lines.again(again)
     time.sleep(LINGER)
     sys.exit(1)
-say("COMPLETED without an error")
+lines.say("COMPLETED without an error")

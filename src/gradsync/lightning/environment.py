@@ -5,11 +5,18 @@ launch (rank, size, local and cross topology). :class:`GradsyncEnvironment` hand
 Lightning as its ``ClusterEnvironment``, so Lightning's own detection (SLURM, MPI, TorchElastic
 variables) is never consulted, and :func:`check_launch` refuses a ``devices`` / ``num_nodes``
 setting that disagrees with the launch.
+
+The same environment serves Lightning's own ``DDPStrategy(process_group_backend="gradsync",
+cluster_environment=GradsyncEnvironment())``, which starts ``torch.distributed`` through its
+``env://`` rendezvous: :attr:`GradsyncEnvironment.main_address` and
+:attr:`GradsyncEnvironment.main_port` then name rank 0's host and a port free there, agreed on by
+every rank, for the TCPStore that rendezvous opens (docs/torch-distributed.md).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -26,6 +33,7 @@ class GradsyncEnvironment(ClusterEnvironment):
     def __init__(self) -> None:
         if not gradsync.is_initialized():
             gradsync.init()
+        self._main: tuple[str, int] | None = None
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -34,13 +42,31 @@ class GradsyncEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        """Unused by gradsync (no torch.distributed rendezvous); ``MASTER_ADDR`` or localhost."""
-        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+        """Rank 0's address for torch.distributed's ``env://`` rendezvous (Lightning's
+        ``DDPStrategy`` sets it as ``MASTER_ADDR``): rank 0's ``MASTER_ADDR`` when set there, else
+        the loopback address when every rank is on one host, else rank 0's host name. The first
+        read of this or :attr:`main_port` is collective (see :attr:`main_port`); gradsync's own
+        strategies read neither."""
+        return self._rendezvous()[0]
 
     @property
     def main_port(self) -> int:
-        """Unused by gradsync (no torch.distributed rendezvous); ``MASTER_PORT`` or 0."""
-        return int(os.environ.get("MASTER_PORT", "0"))
+        """A port free on rank 0's host when first read (``MASTER_PORT``), the same on every rank.
+        The first read of this or :attr:`main_address` broadcasts both from rank 0 (gradsync's
+        ``broadcast_object``), so every rank must read them: Lightning's ``DDPStrategy`` does, in
+        ``setup_distributed``. Later reads return the same values."""
+        return self._rendezvous()[1]
+
+    def _rendezvous(self) -> tuple[str, int]:
+        if self._main is None:
+            mine = None
+            if gradsync.rank() == 0:
+                one_host = gradsync.cross_size() == 1
+                address = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else socket.gethostname())
+                mine = (address, _free_port())
+            self._main = tuple(gradsync.broadcast_object(mine, root_rank=0,
+                                                         name="lightning.environment.main"))
+        return self._main
 
     @staticmethod
     def detect() -> bool:
@@ -59,7 +85,9 @@ class GradsyncEnvironment(ClusterEnvironment):
         """
         if size != gradsync.size():
             raise ValueError(f"gradsync: rank {gradsync.rank()}: Lightning asked for world size {size}, "
-                             f"but the job was launched with {gradsync.size()} processes")
+                             f"but the job was launched with {gradsync.size()} processes (Lightning's "
+                             f"DDPStrategy: pass devices={gradsync.local_size()}, the processes on this "
+                             f"host, and num_nodes={gradsync.cross_size()})")
 
     def global_rank(self) -> int:
         return gradsync.rank()
@@ -105,3 +133,10 @@ def root_device(parallel_devices: list[torch.device] | None) -> torch.device:
     if parallel_devices[0].type == "cpu" or len(parallel_devices) == 1:
         return parallel_devices[0]
     return parallel_devices[gradsync.local_rank()]
+
+
+def _free_port() -> int:
+    """A TCP port that no process of this host listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

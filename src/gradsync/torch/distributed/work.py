@@ -17,6 +17,13 @@ completes the future, exactly once:
 Calls whose pending items are deferred blocking calls (a barrier ordered after the group's earlier
 calls, the waits of ``send``/``recv``) are run in order by the :class:`Completer`'s own thread.
 
+A failed call must fail its future where C++ sees it too. ``Future.set_exception`` from Python
+does not: it stores the exception as the future's *value* (only Python's ``wait()`` raises it),
+so DDP's reducer would read an exception object as its bucket (and crash). So the Work's future
+is the ``then`` of an *outcome* future that gets (outputs, error): the ``then`` raises the error,
+which torch turns into a real error of the Work's future (a RuntimeError naming it, for C++
+callers and chained futures), and :meth:`FutureWork.wait` raises the original exception itself.
+
 torch before 2.13 keeps no reference to the Python object of a ``Work`` it got from a Python
 process group: once Python drops it, a C++ caller's ``wait()`` (DDP's parameter check) reaches the
 C++ base class and blocks for good. There the completer keeps each Work alive until its future
@@ -47,12 +54,13 @@ KEEP_ALIVE = 256 if tuple(int(p) for p in torch.__version__.split("+")[0].split(
 class _Call:
     """One call of the process group in flight; :meth:`take` says who finishes it (see the module)."""
 
-    __slots__ = ("pending", "finish", "future", "deferred", "_taken", "_lock")
+    __slots__ = ("pending", "finish", "outcome", "future", "deferred", "_taken", "_lock")
 
     def __init__(self, pending: Sequence[Pending], finish: Finish) -> None:
         self.pending = list(pending)
         self.finish = finish
-        self.future: torch.futures.Future = torch.futures.Future()
+        self.outcome: torch.futures.Future = torch.futures.Future()  # (outputs, error)
+        self.future = self.outcome.then(_outputs_or_raise)  # the Work's (see the module)
         self.deferred = not all(hasattr(p, "add_done_callback") for p in self.pending)
         self._taken = False
         self._lock = threading.Lock()
@@ -63,24 +71,30 @@ class _Call:
             taken, self._taken = self._taken, True
         return not taken
 
-    def outcome(self) -> tuple[Any, BaseException | None]:
+    def outcome_of(self) -> tuple[Any, BaseException | None]:
         """Wait for every pending item (here, in the calling thread) and finish: (outputs, None),
         or (None, the error)."""
         try:
-            return self.finish([_wait(p) for p in self.pending]), None
+            results = [_wait(p) for p in self.pending]
+            # As torch's C++ backends write results, outside autograd and whatever mode the
+            # caller's thread is in: outputs made under torch.inference_mode() (Lightning's
+            # validation loop) are inference tensors, which only inference mode may write.
+            with torch.inference_mode():
+                return self.finish(results), None
         except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
             return None, error
 
     def run(self) -> None:
-        """:meth:`outcome`, then complete the future in this thread (its callbacks run here)."""
-        _settle(self.future, *self.outcome())
+        """:meth:`outcome_of`, then complete the futures in this thread (their callbacks run here)."""
+        self.outcome.set_result(self.outcome_of())
 
 
-def _settle(future: torch.futures.Future, outputs: Any, error: BaseException | None) -> None:
-    if error is None:
-        future.set_result(outputs)
-    else:
-        future.set_exception(error)
+def _outputs_or_raise(outcome: torch.futures.Future) -> list[torch.Tensor]:
+    """The Work's future's value: the outcome's outputs, or its error raised (see the module)."""
+    outputs, error = outcome.value()
+    if error is not None:
+        raise error
+    return outputs
 
 
 class FutureWork(dist.Work):
@@ -111,7 +125,13 @@ class FutureWork(dist.Work):
             self._future.add_done_callback(lambda _: finished.set())
             if not finished.wait(seconds):
                 raise TimeoutError(f"gradsync: the collective did not finish within {seconds} s")
-        self._future.wait()
+        try:
+            self._future.wait()
+        except RuntimeError:
+            error = None if call is None else call.outcome.value()[1]
+            if error is None:
+                raise
+            raise error from None
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -248,5 +268,5 @@ class Completer:
         """The deferred calls, in submission order: run here, completed in a callback thread."""
         while (call := self._queue.get()) is not None:
             if call.take():
-                outcome = call.outcome()
-                self._callbacks.run(lambda call=call, outcome=outcome: _settle(call.future, *outcome))
+                outcome = call.outcome_of()
+                self._callbacks.run(lambda call=call, outcome=outcome: call.outcome.set_result(outcome))
