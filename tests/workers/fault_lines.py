@@ -36,3 +36,15 @@ class FaultLines:
     def again(self, exc: BaseException) -> None:
         """The AGAIN line of the next call, which failed with ``exc``."""
         self.say(f"AGAIN {type(exc).__name__} | {str(exc).splitlines()[0]}")
+
+    def train(self, model, optimizer, victim: int, steps: int = 50) -> None:
+        """Train the torch ``model`` (16 inputs) with ``optimizer`` for ``steps`` steps of random
+        batches; rank ``victim`` dies (:meth:`die`) at step 3."""
+        import torch
+
+        for step in range(steps):
+            if self.rank == victim and step == 3:
+                self.die()
+            optimizer.zero_grad()
+            model(torch.randn(8, 16)).sum().backward()
+            optimizer.step()

@@ -72,12 +72,7 @@ def training() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
     optimizer = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                               model.named_parameters())
-    for step in range(50):
-        if rank == VICTIM and step == 3:
-            lines.die()
-        optimizer.zero_grad()
-        model(torch.randn(8, 16)).sum().backward()
-        optimizer.step()
+    lines.train(model, optimizer, VICTIM)
 
 
 def data() -> None:

@@ -40,12 +40,7 @@ def training() -> None:
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                                         torch.nn.Linear(32, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(50):
-        if rank == VICTIM and step == 3:
-            lines.die()
-        optimizer.zero_grad()
-        model(torch.randn(8, 16)).sum().backward()
-        optimizer.step()
+    lines.train(model, optimizer, VICTIM)
 
 
 def pending() -> None:
