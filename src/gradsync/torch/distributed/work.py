@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...handles import GroupHandle
+
 #: What a call waits for: gradsync handles (``.wait()``) or deferred blocking calls (no argument).
 Pending = Any
 #: Turns the handles' results (in the order of the pending list) into the future's value.
@@ -214,21 +216,9 @@ class Completer:
         if call.deferred:
             self._start()
             self._queue.put(call)
-        else:
-            left = [len(call.pending)]
-            count = threading.Lock()
-
-            def one_done(_: Any) -> None:  # in the thread completing a handle: hand over, no more
-                with count:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last and call.take():
-                    self._callbacks.run(call.run)
-
-            if not call.pending and call.take():
-                self._callbacks.run(call.run)
-            for handle in call.pending:
-                handle.add_done_callback(one_done)
+        else:  # once the last handle is done (in the thread completing it): hand over, no more
+            GroupHandle("", call.pending).add_done_callback(
+                lambda _: call.take() and self._callbacks.run(call.run))
         return work
 
     def done(self, outputs: list[torch.Tensor]) -> FutureWork:
