@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .. import ops
+from .. import naming, ops
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression
 from .host_op import call_on_host, moved, restored
@@ -129,16 +129,16 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 def _assign_broadcast(variables: list[Any], root_rank: int, prefix: str,
                       process_set: ProcessSet) -> list[Any]:
     """Broadcast ``root_rank``'s values of ``variables`` in one op (variable i named
-    ``<prefix>.<i>``, all submitted before any is waited on) and assign them: the assign ops
-    (eagerly, already done)."""
+    ``<prefix>.<i>.<its name>``, all submitted before any is waited on) and assign them: the
+    assign ops (eagerly, already done)."""
     values = [tf.convert_to_tensor(v) for v in variables]
     if not values:
         return []
 
-    # In a graph, variable names are unique and the same on every rank: each variable keeps one
-    # collective name however many broadcasts a graph holds; eagerly they repeat, so by position.
-    names = [f"{prefix}.{i}" if tf.executing_eagerly() else f"{prefix}.{_normalize(v.name)}"
-             for i, v in enumerate(variables)]
+    # Variable names repeat (Keras 3 names every Dense layer's weight "kernel", TF 2 every unnamed
+    # variable "Variable:0"), eagerly and in a graph: the position makes the name unique
+    # (gradsync.naming), the variable's name keeps it readable.
+    names = naming.indexed(prefix, [_normalize(getattr(v, "name", None) or "") for v in variables])
 
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
         handles = [ops.broadcast_async(moved(a), root_rank, name, process_set)
@@ -156,7 +156,9 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     (``horovod.tensorflow.broadcast_variables``), eagerly, in a tf.function or in a TF1 graph.
 
     Every rank passes the same variables (same order, shapes, dtypes); they are broadcast in one
-    op, variable i under the name ``broadcast_variables.<i>``, submitted together, then assigned.
+    op, variable i under the name ``broadcast_variables.<i>.<v.name>`` (variable names may
+    repeat, as Keras 3's ``kernel`` and ``bias`` do: the position tells them apart), submitted
+    together, then assigned.
     ``inplace`` is accepted for Horovod's signature.
 
     Returns:
@@ -178,7 +180,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     every rank's variables are assigned the root's values (resource or TF1 reference variables).
 
     Every rank passes the same variables (same order, shapes, dtypes); variable i is broadcast
-    under the name ``<name>.<i>`` (default name ``broadcast_``), all in one op.
+    under the name ``<name>.<i>.<v.name>`` (default name ``broadcast_``), all in one op.
 
     Returns:
         The variables' values after the broadcast (in a graph: read after the assignments).
