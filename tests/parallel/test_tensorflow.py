@@ -1,7 +1,8 @@
 """gradsync.tensorflow on every rank: each collective on tf.Tensor against numpy, eagerly and inside
 tf.function, Horovod's gradients against their formulas, and a custom training loop with
 DistributedGradientTape in a tf.function against single-process training on the concatenated
-batch."""
+batch; Keras 3 variables that share a name broadcast eagerly and in a tf.function, and Horovod's
+TF2 MNIST loop on such a model against the same loop in one process."""
 
 import os
 import pathlib
@@ -358,6 +359,117 @@ def test_tape_training_in_a_tf_function_equals_one_process_on_the_whole_batch(ra
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-8)
     everywhere = hvd.allgather(tf.constant(np.concatenate([g.ravel() for g in got])[None]))
     np.testing.assert_array_equal(everywhere.numpy(), np.tile(everywhere.numpy()[:1], (size, 1)))
+
+
+# ---- variables that share a name (Keras 3: every Dense layer's "kernel" and "bias") --------------
+
+IMAGE, CLASSES = 8, 10
+
+
+def keras_digits_model(seed):
+    """A Keras 3 model of Horovod's TF2 MNIST example's kind (convolution, pooling, two Dense
+    layers), small: its layers' variables share the names ``kernel`` and ``bias``."""
+    keras = tf.keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IMAGE, IMAGE, 1)),
+                             keras.layers.Conv2D(4, 3, activation="relu"),
+                             keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                             keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(CLASSES, activation="softmax")])
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_keras_variables_that_share_a_name_are_broadcast_each_from_the_root(where, rank, case):
+    model = keras_digits_model(seed=0)
+    assert [v.name for v in model.variables].count("kernel") == 3  # the names repeat
+    for i, variable in enumerate(model.variables):
+        variable.assign(make(f"{case}.{i}", rank, "float32", tuple(variable.shape)))
+
+    def broadcast():  # a tf.function runs its stateful ops whatever it returns
+        hvd.broadcast_variables(model.variables, root_rank=0)
+    run(where, broadcast)
+    for i, variable in enumerate(model.variables):
+        assert_array(variable.numpy(), make(f"{case}.{i}", 0, "float32", tuple(variable.shape)))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_broadcast_inplace_of_variables_that_share_a_name_assigns_the_roots_values(where, rank, size,
+                                                                                    case):
+    variables = [tf.Variable(make(f"{case}.{i}", rank, "float64", (3,)), name="w") for i in range(3)]
+    assert len({v.name for v in variables}) == 1
+    root = size - 1
+    values = run(where, lambda: hvd.broadcast_(variables, root_rank=root, name="shared"))
+    for i, (variable, value) in enumerate(zip(variables, values)):
+        assert_array(variable.numpy(), make(f"{case}.{i}", root, "float64", (3,)))
+        assert_array(value.numpy(), make(f"{case}.{i}", root, "float64", (3,)))
+
+
+def image_batch(rank, step):
+    """Rank ``rank``'s batch ``step``: images and labels that a fixed linear rule decides."""
+    rng = np.random.default_rng(1000 * step + rank)
+    images = rng.random((BATCH, IMAGE, IMAGE, 1)).astype("float32")
+    rule = np.random.default_rng(5).normal(size=(IMAGE * IMAGE, CLASSES))
+    return images, (images.reshape(BATCH, -1) @ rule).argmax(1).astype("int64")
+
+
+def horovods_tf2_loop(batches, size):
+    """Horovod's examples/tensorflow2/tensorflow2_mnist.py, its import changed to
+    gradsync.tensorflow: a tf.function step with DistributedGradientTape, then on the first batch
+    the model's and the optimizer's variables broadcast from rank 0. Each rank starts from its own
+    random weights, as Horovod's ranks do."""
+    model = keras_digits_model(seed=100 + hvd.rank())
+    loss = tf.keras.losses.SparseCategoricalCrossentropy()
+    opt = tf.keras.optimizers.Adam(0.001 * size)
+
+    @tf.function
+    def training_step(images, labels, first_batch):
+        with tf.GradientTape() as tape:
+            loss_value = loss(labels, model(images, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss_value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)  # Keras 3: a list, not opt.variables()
+        return loss_value
+
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(np.concatenate(part) for part in zip(*batches)))
+    for number, (images, labels) in enumerate(dataset.batch(BATCH)):
+        training_step(images, labels, number == 0)
+    return model, opt
+
+
+def reference_tf2_loop(size, steps):
+    """That loop in one process: the first update is rank 0's weights minus the average of every
+    rank's gradient at its own starting weights (Horovod broadcasts after the first step), every
+    later update the gradient of the concatenated batch."""
+    models = [keras_digits_model(seed=100 + r) for r in range(size)]
+    loss = tf.keras.losses.SparseCategoricalCrossentropy()
+    model, opt = models[0], tf.keras.optimizers.Adam(0.001 * size)
+
+    def gradients(net, images, labels):
+        with tf.GradientTape() as tape:
+            loss_value = loss(labels, net(images, training=True))
+        return tape.gradient(loss_value, net.trainable_variables)
+
+    first = [gradients(net, *image_batch(r, 0)) for r, net in enumerate(models)]
+    opt.apply_gradients(zip([tf.add_n(list(g)) / size for g in zip(*first)], model.trainable_variables))
+    for step in range(1, steps):
+        images, labels = (np.concatenate(part) for part in zip(*[image_batch(r, step) for r in range(size)]))
+        opt.apply_gradients(zip(gradients(model, images, labels), model.trainable_variables))
+    return model, opt
+
+
+def test_horovods_tf2_keras_loop_trains_as_one_process_on_the_whole_batch(rank, size):
+    model, opt = horovods_tf2_loop([image_batch(rank, s) for s in range(STEPS)], size)
+    expected_model, expected_opt = reference_tf2_loop(size, STEPS)
+    for got, want in [(model.variables, expected_model.variables), (opt.variables, expected_opt.variables)]:
+        assert [tuple(v.shape) for v in got] == [tuple(v.shape) for v in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-6, err_msg=g.name)
+    weights = np.concatenate([v.numpy().ravel() for v in model.variables])[None]
+    everywhere = hvd.allgather(tf.constant(weights)).numpy()
+    np.testing.assert_array_equal(everywhere, np.tile(everywhere[:1], (size, 1)))
 
 
 @pytest.mark.parametrize("where", WHERE)
