@@ -156,6 +156,55 @@ def test_broadcast_variables_gives_every_rank_the_roots_values(case, rank):
                                                                      float(gradsync.size())))
 
 
+IMAGE, CLASSES = 8, 10
+
+
+def digits_model(seed):
+    """A small model of Horovod's Keras MNIST examples' kind (convolution, pooling, two Dense
+    layers): its layers' variables share the names ``kernel`` and ``bias``."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IMAGE, IMAGE, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                             keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                             keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(CLASSES, activation="softmax")])
+
+
+def digits_data(rank, samples):
+    """Rank ``rank``'s images and the labels a fixed linear rule gives them."""
+    images = np.random.default_rng(rank).random((samples, IMAGE, IMAGE, 1)).astype("float32")
+    rule = np.random.default_rng(5).normal(size=(IMAGE * IMAGE, CLASSES))
+    return images, (images.reshape(samples, -1) @ rule).argmax(1).astype("int64")
+
+
+def test_horovods_keras_mnist_fit_trains_as_one_process_from_the_roots_weights(case, rank):
+    """Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py (and keras/keras_mnist.py), the
+    import changed to gradsync.keras: each rank starts from its own random weights, the callback
+    broadcasts rank 0's, and fit equals one process fitting rank 0's model on the whole batch."""
+    size, steps, epochs = gradsync.size(), 3, 2
+    scaled_lr = 0.001 * size
+    x, y = digits_data(rank, steps * B)
+    model = digits_model(seed=100 + rank)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(scaled_lr), backward_passes_per_step=1,
+                                   average_aggregated_gradients=True)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(), optimizer=opt, metrics=["accuracy"])
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=2, verbose=0)]
+    model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, callbacks=callbacks, verbose=0)
+
+    data = [digits_data(r, steps * B) for r in range(size)]
+    whole = [np.concatenate([d[i][j * B:(j + 1) * B] for j in range(steps) for d in data]) for i in (0, 1)]
+    reference = digits_model(seed=100)
+    reference.compile(loss=keras.losses.SparseCategoricalCrossentropy(),
+                      optimizer=keras.optimizers.Adam(scaled_lr), metrics=["accuracy"])
+    reference.fit(*whole, batch_size=size * B, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=2)])
+    np.testing.assert_allclose(flat(model.get_weights()), flat(reference.get_weights()), rtol=1e-4, atol=1e-6)
+    got = [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
+    want = [keras.ops.convert_to_numpy(v) for v in reference.optimizer.variables]
+    np.testing.assert_allclose(flat(got), flat(want), rtol=1e-4, atol=1e-6)
+    assert_same_on_every_rank(model.get_weights(), case)
+
+
 def test_the_wrapped_optimizer_keeps_its_config_and_load_model_wraps_it_again(case, tmp_path):
     optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, beta_1=0.8))
     assert isinstance(optimizer, keras.optimizers.Adam)

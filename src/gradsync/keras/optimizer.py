@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from .. import ops
+from .. import naming, ops
 from ..averaging import local_gradient_divisor, predivide_scales
 from ..compression import CastCompressor, Compression, Compressor
 from ..engine.protocol import ReduceOp
@@ -252,7 +252,8 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadca
     (``horovod.tensorflow.keras.broadcast_variables``).
 
     Each variable is copied to host memory (``keras.ops.convert_to_numpy``), broadcast (MPI_Bcast
-    semantics, named ``<name>.<index>``, all started before any is waited on) and assigned back.
+    semantics, named ``<name>.<index>.<variable name>``: Keras 3 names every Dense layer's weight
+    ``kernel``, the index tells them apart; all started before any is waited on) and assigned back.
 
     Raises:
         ValueError: ``root_rank`` is not a rank (of ``process_set``).
@@ -261,8 +262,9 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadca
     """
     variables = list(variables)
     values = [keras.ops.convert_to_numpy(v) for v in variables]
-    handles = [ops.broadcast_async(np.ascontiguousarray(value), root_rank, name=f"{name}.{i}",
-                                   process_set=process_set) for i, value in enumerate(values)]
+    names = naming.indexed(name, [getattr(v, "name", None) for v in variables])
+    handles = [ops.broadcast_async(np.ascontiguousarray(value), root_rank, name=member,
+                                   process_set=process_set) for member, value in zip(names, values)]
     for variable, value, handle in zip(variables, values, handles):
         variable.assign(handle.wait().reshape(value.shape))  # 0-d values travel as shape (1,)
 
