@@ -156,6 +156,29 @@ def test_allreduce_with_scale_factors(where):
     close(result, reference(every_rank((6,), np.float32), "Sum") * np.float32(1.5))
 
 
+class Twins:
+    """A pytree node whose two children have the same key: a custom node may name them so."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+jax.tree_util.register_pytree_with_keys(
+    Twins, lambda t: (((jax.tree_util.GetAttrKey("w"), t.first), (jax.tree_util.GetAttrKey("w"), t.second)), None),
+    lambda _, children: Twins(*children))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_leaves_whose_key_paths_repeat_are_reduced_each_on_its_own(where):
+    tree = Twins(jnp.asarray(rank_data(gradsync.rank(), (3,), np.float32, seed=1)),
+                 jnp.asarray(rank_data(gradsync.rank(), (3,), np.float32, seed=2)))
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert paths == [".w", ".w"]  # both leaves would be named "twins.<where>.w"
+    result = on_host_or_in_jit(where, lambda t: gj.allreduce(t, name=f"twins.{where}", op=gradsync.Sum), tree)
+    close(result.first, reference(every_rank((3,), np.float32, seed=1), "Sum"))
+    close(result.second, reference(every_rank((3,), np.float32, seed=2), "Sum"))
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_broadcast_gives_every_rank_the_roots_pytree(where):
     root = size() - 1

@@ -15,7 +15,8 @@ collective of the core (:mod:`gradsync.ops`), negotiated and fused as any other.
   Either way the waiting thread runs the coordinator's cycle itself when it is idle.
 
 **Names.** A leaf of a named op is named ``<name><path>``, its key path in the pytree
-(``"grads['w1']"``; a bare array: ``name`` itself). Unnamed ops outside jit are numbered by the
+(``"grads['w1']"``; a bare array: ``name`` itself; a path that repeats among the leaves, which a
+custom pytree node's keys can, gets ``#<leaf index>``). Unnamed ops outside jit are numbered by the
 core, in the order this rank issues them. Unnamed ops inside jit are numbered when XLA runs them
 (``jit.<kind>.noname.<n>``, a count of its own), so that a jitted step that runs while the Python
 thread issues other unnamed ops cannot shift the numbering. A named op inside jit reuses its names
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from .. import ops
+from .. import naming, ops
 from ..arrays import dtypes
 from ..engine.protocol import ReduceOp, split_rows
 from ..handles import Handle
@@ -82,9 +83,11 @@ class _Leaves:
 
 
 def _flatten(tree: Any) -> _Leaves:
+    """``tree``'s leaves and their key paths, a path that repeats (a custom node's keys, dict keys
+    of the same repr) made unique by the leaf's position (:func:`gradsync.naming.deduplicated`)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return _Leaves([leaf for _, leaf in with_paths],
-                   [jax.tree_util.keystr(path) for path, _ in with_paths], treedef)
+                   naming.deduplicated([jax.tree_util.keystr(path) for path, _ in with_paths]), treedef)
 
 
 def _leaf_names(name: str | None, paths: list[str]) -> list[str | None]:
