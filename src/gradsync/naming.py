@@ -18,8 +18,8 @@ def indexed(prefix: str, labels: Sequence[str | None]) -> list[str]:
     """Member ``i`` of a list named ``<prefix>.<i>.<label>`` (``<prefix>.<i>`` without a label):
     unique within the list whatever the labels are.
 
-    >>> indexed("broadcast_variables", ["kernel", "bias", "kernel", None])
-    ['broadcast_variables.0.kernel', 'broadcast_variables.1.bias', 'broadcast_variables.2.kernel', 'broadcast_variables.3']
+    >>> indexed("b", ["kernel", "bias", "kernel", None])
+    ['b.0.kernel', 'b.1.bias', 'b.2.kernel', 'b.3']
     """
     return [f"{prefix}.{i}" if not label else f"{prefix}.{i}.{label}" for i, label in enumerate(labels)]
 

@@ -144,6 +144,33 @@ def test_tied_parameters_are_reduced_once_and_averaged(rank, size):
         opt.step()
 
 
+def test_two_optimizers_without_names_reduced_in_one_backward_train_as_one_process(rank, size):
+    """A GAN's generator and discriminator, each wrapped without named_parameters, both reached by
+    one backward pass: their gradients are in flight together, so their names must differ."""
+    def models():
+        torch.manual_seed(3)
+        return (torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)),
+                torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1)))
+
+    def step(generator, discriminator, optimizers, z):
+        discriminator(generator(z)).pow(2).mean().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+
+    generator, discriminator = models()
+    optimizers = [gradsync.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+                  for m in (generator, discriminator)]
+    names = [set(o._parameter_names.values()) for o in optimizers]
+    assert not names[0] & names[1], names
+    noise = [torch.randn(5, 3, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    step(generator, discriminator, optimizers, noise[rank])
+    expected = models()
+    step(*expected, [torch.optim.SGD(m.parameters(), lr=0.1) for m in expected], torch.cat(noise))
+    for got, want in zip([*generator.parameters(), *discriminator.parameters()],
+                         [p for m in expected for p in m.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_second_optimizer_over_the_same_parameters_is_a_value_error_until_the_first_is_gone():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))

@@ -119,7 +119,10 @@ class TensorQueue:
         name = entry.request.name
         if name in self._in_flight:
             raise ValueError(f"gradsync: rank {self.world_rank}: a collective named {name!r} is "
-                             f"still in flight; wait for its handle before reusing the name")
+                             "still in flight; wait for its handle before reusing the name, or give "
+                             "the second collective a name of its own (two DistributedOptimizers "
+                             "without named_parameters over parameters of the same shapes name "
+                             "theirs alike: pass named_parameters=)")
 
     def request_shutdown(self) -> None:
         with self._cond:

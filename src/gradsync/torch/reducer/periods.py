@@ -19,6 +19,7 @@ import logging
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,6 +38,19 @@ class _Period(enum.Enum):
     OPEN = "open"            # backward passes add gradients; hooks may have started allreduces
     AVERAGED = "averaged"    # the round finished: every gradient holds the average
     DISCARDED = "discarded"  # averaged, then zero_grad(): nothing left to reduce until a new gradient
+
+
+def unnamed_prefix(param_groups: list[dict]) -> str:
+    """The prefix of the names of parameters that ``named_parameters`` does not name (parameter
+    ``i`` of group ``g`` is ``<prefix>.<g>.<i>``): ``param.<checksum>``, a CRC-32 of the
+    optimizer's parameter layout when it was wrapped (each group's dtypes and shapes in order).
+    The same on every rank (the ranks' parameters must match), and apart for two optimizers of
+    other layouts in one program: a GAN's generator and discriminator wrapped without names
+    would otherwise both reduce ``param.0.0``, in flight at once when one backward pass reaches
+    both. Optimizers over parameters of the very same shapes still meet: pass named_parameters."""
+    layout = "|".join(";".join(f"{p.dtype}{tuple(p.shape)}" for p in group["params"])
+                      for group in param_groups)
+    return f"param.{zlib.crc32(layout.encode()):08x}"
 
 
 class _DistributedOptimizer:
@@ -66,6 +80,7 @@ class _DistributedOptimizer:
         weakref.finalize(self, _remove_hooks, strategy.hooks)
         self._gs_backward = _BackwardSpan(self._gs_coordinator)
         self._gs_given_names = named_parameters
+        self._gs_unnamed = unnamed_prefix(self.param_groups)
         for group in self.param_groups:
             self._gs_check_owners(group)
         for group_index, group in enumerate(self.param_groups):
@@ -97,8 +112,8 @@ class _DistributedOptimizer:
             if not param.requires_grad or param in self._gs_names:
                 continue
             param._gradsync_owner = weakref.ref(self)
-            self._gs_strategy.attach(param, self._gs_given_names.get(param, f"param.{group_index}.{index}"),
-                                     self._gs_weak_hook)
+            name = self._gs_given_names.get(param, f"{self._gs_unnamed}.{group_index}.{index}")
+            self._gs_strategy.attach(param, name, self._gs_weak_hook)
 
     def _gs_new_period(self) -> None:
         """Start a period: no backward pass counted, no gradient handed over (program order only:
