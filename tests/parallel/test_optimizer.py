@@ -317,6 +317,20 @@ def test_broadcast_parameters_takes_named_parameters_too(rank):
     assert torch.equal(model.weight, torch.nn.Linear(3, 3).weight)
 
 
+def test_broadcast_parameters_of_two_modules_whose_names_repeat_gives_the_roots_values(rank):
+    def modules(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(3, 2)), torch.nn.Sequential(torch.nn.Linear(2, 4))
+
+    first, second = modules(seed=rank)
+    pairs = [*first.named_parameters(), *second.named_parameters()]
+    assert [n for n, _ in pairs] == ["0.weight", "0.bias", "0.weight", "0.bias"]
+    gradsync.broadcast_parameters(pairs, root_rank=0)
+    roots = modules(seed=0)
+    for (_, got), want in zip(pairs, [p for m in roots for p in m.parameters()]):
+        assert torch.equal(got, want)
+
+
 def test_broadcast_parameters_from_a_root_outside_the_world_is_a_value_error(size):
     model = torch.nn.Linear(3, 3)
     with raises(ValueError, "root_rank"):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import ops
+from .. import naming, ops
 from ..ops import allgather_object, broadcast_object
 from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
@@ -55,7 +55,9 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     Args:
         params: ``model.state_dict()`` (parameters and buffers), ``model.named_parameters()``, or a
             list of tensors (``list(model.parameters())``, named by position); the same names,
-            shapes and dtypes on every rank. ``None`` values are skipped.
+            shapes and dtypes on every rank. ``None`` values are skipped. A name that repeats
+            among the pairs (two modules' ``named_parameters()`` chained) is told apart by its
+            position.
         root_rank: the (world) rank whose values win.
         process_set: the ranks that take part (default: every rank); ``root_rank`` must be one.
 
@@ -63,11 +65,14 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         ParametersTypeError (a TypeError and a ValueError): ``params`` is none of those kinds.
         ValueError: ``root_rank`` out of range. CollectiveError: shapes or dtypes differ by rank.
     """
+    named = [(name, tensor) for name, tensor in _named(params) if tensor is not None]
+    # Pairs from several modules may repeat a name ("0.weight"): a repeat gets its position.
+    names = iter(naming.deduplicated([f"broadcast.{name}" for name, _ in named if name is not None]))
     with ops.blocking(process_set):  # submitted together, negotiated in this thread's cycles
         handles = [ops.broadcast_async_(tensor.detach(), root_rank,
-                                        name=None if name is None else f"broadcast.{name}",
+                                        name=None if name is None else next(names),
                                         process_set=process_set)
-                   for name, tensor in _named(params) if tensor is not None]
+                   for name, tensor in named]
         for handle in handles:
             ops.synchronize(handle)
 
