@@ -252,8 +252,9 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadca
     (``horovod.tensorflow.keras.broadcast_variables``).
 
     Each variable is copied to host memory (``keras.ops.convert_to_numpy``), broadcast (MPI_Bcast
-    semantics, named ``<name>.<index>.<variable name>``: Keras 3 names every Dense layer's weight
-    ``kernel``, the index tells them apart; all started before any is waited on) and assigned back.
+    semantics, named ``<name>.<index>``: Keras 3 names every Dense layer's weight ``kernel``, and
+    Keras numbers layers per process, so the position alone names a variable; all started before
+    any is waited on) and assigned back.
 
     Raises:
         ValueError: ``root_rank`` is not a rank (of ``process_set``).
@@ -262,7 +263,9 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadca
     """
     variables = list(variables)
     values = [keras.ops.convert_to_numpy(v) for v in variables]
-    names = naming.indexed(name, [getattr(v, "name", None) for v in variables])
+    # By position only: the call waits before it returns, so nothing else of this name is in
+    # flight, and variable names may differ by rank (Keras numbers layers per process).
+    names = naming.indexed(name, [None] * len(variables))
     handles = [ops.broadcast_async(np.ascontiguousarray(value), root_rank, name=member,
                                    process_set=process_set) for member, value in zip(names, values)]
     for variable, value, handle in zip(variables, values, handles):

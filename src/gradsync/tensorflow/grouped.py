@@ -129,16 +129,21 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 def _assign_broadcast(variables: list[Any], root_rank: int, prefix: str,
                       process_set: ProcessSet) -> list[Any]:
     """Broadcast ``root_rank``'s values of ``variables`` in one op (variable i named
-    ``<prefix>.<i>.<its name>``, all submitted before any is waited on) and assign them: the
-    assign ops (eagerly, already done)."""
+    ``<prefix>.<i>`` eagerly, ``<prefix>.<i>.<its name>`` in a graph; all submitted before any is
+    waited on) and assign them: the assign ops (eagerly, already done)."""
     values = [tf.convert_to_tensor(v) for v in variables]
     if not values:
         return []
 
-    # Variable names repeat (Keras 3 names every Dense layer's weight "kernel", TF 2 every unnamed
-    # variable "Variable:0"), eagerly and in a graph: the position makes the name unique
-    # (gradsync.naming), the variable's name keeps it readable.
-    names = naming.indexed(prefix, [_normalize(getattr(v, "name", None) or "") for v in variables])
+    # Eagerly the op is done before the call returns, so the position alone is unique, and it
+    # stays the same on every rank even where a rank built other models first (Keras numbers
+    # layers per process, and optimizer variables carry those numbers). In a graph two broadcast
+    # ops may run at once (Horovod's TF2 loop broadcasts the model's and the optimizer's
+    # variables in one step): the variable's name tells them apart, the position tells repeated
+    # names apart (Keras 3 names every Dense layer's weight "kernel"; gradsync.naming).
+    labels = [None if tf.executing_eagerly() else _normalize(getattr(v, "name", None) or "")
+              for v in variables]
+    names = naming.indexed(prefix, labels)
 
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
         handles = [ops.broadcast_async(moved(a), root_rank, name, process_set)
@@ -156,7 +161,8 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int,
     (``horovod.tensorflow.broadcast_variables``), eagerly, in a tf.function or in a TF1 graph.
 
     Every rank passes the same variables (same order, shapes, dtypes); they are broadcast in one
-    op, variable i under the name ``broadcast_variables.<i>.<v.name>`` (variable names may
+    op, variable i under the name ``broadcast_variables.<i>`` eagerly and
+    ``broadcast_variables.<i>.<v.name>`` in a graph (variable names may
     repeat, as Keras 3's ``kernel`` and ``bias`` do: the position tells them apart), submitted
     together, then assigned.
     ``inplace`` is accepted for Horovod's signature.
@@ -180,7 +186,8 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     every rank's variables are assigned the root's values (resource or TF1 reference variables).
 
     Every rank passes the same variables (same order, shapes, dtypes); variable i is broadcast
-    under the name ``<name>.<i>.<v.name>`` (default name ``broadcast_``), all in one op.
+    under the name ``<name>.<i>`` eagerly, ``<name>.<i>.<v.name>`` in a graph (default name
+    ``broadcast_``), all in one op.
 
     Returns:
         The variables' values after the broadcast (in a graph: read after the assignments).
