@@ -79,6 +79,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true",
                      help="gradsync: also run the tests marked full (3 and 4 ranks, the variants of "
                           "tests/parallel, SLURM, two hosts, foreign launchers); see tests/conftest.py")
+    parser.addoption("--parallel-files", default="",
+                     help="gradsync: launch only these files of tests/parallel (comma-separated stems, "
+                          "e.g. test_ops,test_collectives); see tests/test_parallel.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,14 +8,16 @@ installed; a Keras variant's job also carries the mark of its ``KERAS_BACKEND``.
 variables, at their own rank counts, on a ``-k`` selection (the format: tests/parallel/conftest.py).
 See tests/parallel/conftest.py for what each job guarantees.
 
-The full suite (``pytest --full``, tests/conftest.py) runs each file as a job of its own at each of
-its rank counts, and again in each of its variants. The fast suite (``pytest``) runs every file at
-its rank counts up to 2 (its smallest one when it has none), the files of one framework (numpy,
-torch, jax) together in one session per rank count, so that a job's start-up (MPI, imports) is
-paid once and not once per file; of the variants only those of ``FAST_VARIANTS``, one job for each
-setting a variant exists to test; and the tests that need more than 2 ranks on a selection of
-their own (``FAST_ABOVE_2_RANKS``). In the full suite the jobs that the fast suite does not run
-(3 and 4 ranks, the other variants) are marked ``full``.
+Both suites run the files of one framework (numpy, torch, jax, tensorflow) together, one session
+per rank count, so that a job's start-up (MPI, imports; 5-10 s at 4 ranks on 2 cores) is paid once
+and not once per file; a variant is a job of its own. The fast suite (``pytest``) runs every file
+at its rank counts up to 2 (its smallest one when it has none); of the variants only those of
+``FAST_VARIANTS``, one job for each setting a variant exists to test; and the tests that need more
+than 2 ranks on a selection of their own (``FAST_ABOVE_2_RANKS``). The full suite (``pytest
+--full``, tests/conftest.py) runs every file at each of its rank counts and in each of its
+variants; the jobs that the fast suite does not run (3 and 4 ranks, the other variants) are marked
+``full``. ``--parallel-files test_ops,test_collectives`` launches only the files named (the Open
+MPI pass of .ci/run).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,30 +131,40 @@ def _backend_marks(job: Job) -> list:
     return [getattr(pytest.mark, backend)] if backend in ("torch", "jax", "tensorflow") else []
 
 
-def _full_jobs():
-    """Every file at each of its rank counts, and every variant, each a job of its own; those
-    that the fast suite runs too (in its own way) unmarked, the others marked ``full``."""
-    for path in sorted(PARALLEL.glob("test_*.py")):
-        marks = _marks(_framework(path))
-        counts = _module_setting(path, "RANKS", DEFAULT_RANKS)
-        plain = [(f"{path.stem}-{n}", Job((path,), n), n in fast_counts(counts)) for n in counts]
-        for job_id, job, fast in plain + _variant_jobs(path):
-            job_marks = [*marks, *_backend_marks(job)]
-            yield pytest.param(job, id=job_id, marks=job_marks if fast else [*job_marks, pytest.mark.full])
+def _files(config: pytest.Config) -> list[Path]:
+    """The files of tests/parallel/ to launch: every ``test_*.py``, or those that
+    ``--parallel-files`` names (a comma-separated list of stems, for a CI pass that runs a few
+    files under another MPI)."""
+    paths = sorted(PARALLEL.glob("test_*.py"))
+    chosen = config.getoption("--parallel-files")
+    if not chosen:
+        return paths
+    stems = {stem.strip() for stem in chosen.split(",") if stem.strip()}
+    unknown = stems - {path.stem for path in paths}
+    if unknown:
+        raise pytest.UsageError(f"--parallel-files: no file tests/parallel/<name>.py for {sorted(unknown)}")
+    return [path for path in paths if path.stem in stems]
 
 
-def _fast_jobs():
-    """At each rank count up to 2 (a file's smallest count, when it has none up to 2), one job
-    per framework running all the files of that framework that declare the count, in one session:
-    one start-up instead of one per file; then the variants of FAST_VARIANTS and the selections of
-    FAST_ABOVE_2_RANKS, each a job of its own."""
+def _grouped_jobs(paths: list[Path], counts_of: Callable[[Path], set[int]]) -> list[tuple[str, Job]]:
+    """(id, job): at each rank count that ``counts_of`` gives a file, one job per framework
+    running all the files of that framework with that count, in one session: one start-up
+    (MPI, imports) instead of one per file."""
     groups: dict[tuple[str, int], list[Path]] = {}
-    for path in sorted(PARALLEL.glob("test_*.py")):
-        for n in sorted(fast_counts(_module_setting(path, "RANKS", DEFAULT_RANKS))):
+    for path in paths:
+        for n in sorted(counts_of(path)):
             groups.setdefault((_framework(path), n), []).append(path)
-    for (framework, n), paths in sorted(groups.items()):
-        yield pytest.param(Job(tuple(paths), n), id=f"{framework}-files-{n}", marks=_marks(framework))
-    for path in sorted(PARALLEL.glob("test_*.py")):
+    return [(f"{framework}-files-{n}", Job(tuple(group), n)) for (framework, n), group in sorted(groups.items())]
+
+
+def _fast_jobs(paths: list[Path]):
+    """At each rank count up to 2 (a file's smallest count, when it has none up to 2), one job
+    per framework running all the files of that framework that declare the count, in one session;
+    then the variants of FAST_VARIANTS and the selections of FAST_ABOVE_2_RANKS, each a job of its
+    own."""
+    for job_id, job in _grouped_jobs(paths, lambda path: fast_counts(_module_setting(path, "RANKS", DEFAULT_RANKS))):
+        yield pytest.param(job, id=job_id, marks=_marks(_framework(job.paths[0])))
+    for path in paths:
         marks = _marks(_framework(path))
         for job_id, job, fast in _variant_jobs(path):
             if fast:
@@ -161,9 +174,29 @@ def _fast_jobs():
                 yield pytest.param(Job((path,), n, select=select), id=f"{stem}-{n}-needing-{n}", marks=marks)
 
 
+def _full_jobs(paths: list[Path]):
+    """At every rank count a file declares, one job per framework running all the files of that
+    framework with that count (grouped as in the fast suite: a file's tests are the same wherever
+    it runs, and a start-up of 3 or 4 ranks costs 5-10 s on 2 cores), and every variant, each a
+    job of its own. The jobs the fast suite runs the same way are unmarked, the others ``full``.
+    FAST_ABOVE_2_RANKS's selections are not repeated: their files run whole at those counts."""
+    fast = {(job.paths, job.ranks) for _, job in _grouped_jobs(
+        paths, lambda path: fast_counts(_module_setting(path, "RANKS", DEFAULT_RANKS)))}
+    for job_id, job in _grouped_jobs(paths, lambda path: set(_module_setting(path, "RANKS", DEFAULT_RANKS))):
+        marks = _marks(_framework(job.paths[0]))
+        in_fast_suite = (job.paths, job.ranks) in fast
+        yield pytest.param(job, id=job_id, marks=marks if in_fast_suite else [*marks, pytest.mark.full])
+    for path in paths:
+        marks = _marks(_framework(path))
+        for job_id, job, in_fast_suite in _variant_jobs(path):
+            job_marks = [*marks, *_backend_marks(job)]
+            yield pytest.param(job, id=job_id, marks=job_marks if in_fast_suite else [*job_marks, pytest.mark.full])
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.function is test_file_passes_on_every_rank:
-        jobs = _full_jobs() if metafunc.config.getoption("--full") else _fast_jobs()
+        paths = _files(metafunc.config)
+        jobs = _full_jobs(paths) if metafunc.config.getoption("--full") else _fast_jobs(paths)
         metafunc.parametrize("job", [pytest.param(*p.values, id=p.id,
                                                   marks=[*p.marks, pytest.mark.timeout(p.values[0].timeout() + 60)])
                                      for p in jobs])
