@@ -6,8 +6,11 @@ at 1 and 2 ranks. ``pytest --full`` also runs the tests marked ``full``: the sam
 at 3 and 4 ranks and in the variants of tests/parallel/ (tests/test_parallel.py decides which of
 its jobs are full), under a real SLURM (tests/test_slurm.py), on two hosts
 (tests/test_two_hosts.py), and with one MPI's launcher starting the other's Python
-(tests/test_foreign_launcher.py). A test that starts jobs at several rank counts marks the counts
-above 2 ``full``, keeping the smallest one in the fast suite when none is 2 or less (a behaviour
+(tests/test_foreign_launcher.py), and the slow end-to-end runs whose behaviour the fast suite has
+once already: the main example's other modes (sharded optimizer state, the progress bar) and the
+Lightning example (tests/test_example.py), the elastic driver's scenarios beyond one restart
+(tests/test_elastic.py), a second kind of rank death under torch.distributed, the GPU script's
+offline install. A test that starts jobs at several rank counts marks the counts above 2 ``full``, keeping the smallest one in the fast suite when none is 2 or less (a behaviour
 that needs 3 ranks). Without ``--full`` the full tests are deselected, not skipped.
 
 ``tests/parallel/`` holds multi-rank tests that every rank of an MPI job runs together

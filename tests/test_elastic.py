@@ -67,6 +67,7 @@ def test_a_killed_worker_is_replaced_by_a_restart_from_the_last_commit(tmp_path)
         assert torch.allclose(got[name], want[name], rtol=0, atol=1e-6), (name, got[name], want[name])
 
 
+@pytest.mark.full  # the fast suite runs the elastic driver's restart once (a killed worker replaced)
 def test_added_slots_grow_the_job_at_the_next_commit(tmp_path):
     slots = tmp_path / "slots"
     slots.write_text("localhost:2\n")
@@ -93,6 +94,7 @@ def test_below_min_np_the_driver_stops_after_start_timeout(tmp_path):
     assert not (tmp_path / "log").exists()
 
 
+@pytest.mark.full  # the fast suite runs the elastic driver's restart once (a killed worker replaced)
 def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path):
     status, output = driver(["-np", "2", "--max-restarts", "1", "--blacklist-after", "5"],
                             f"--log {tmp_path / 'log'} --fail-always")
@@ -103,6 +105,7 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path):
     assert "rank 1 on " in output and "RuntimeError: worker failed on purpose" in output, output
 
 
+@pytest.mark.full  # the fast suite runs the elastic driver's restart once (a killed worker replaced)
 def test_a_host_whose_workers_are_killed_by_a_signal_is_blacklisted(tmp_path):
     """No failure record names the host of a SIGKILLed worker: the launcher's report does."""
     status, output = driver(["-np", "2", "--max-restarts", "5", "--blacklist-after", "2",
@@ -134,6 +137,7 @@ def workers_of(state_dir: Path, script: str) -> list[int]:
     return sorted(found)
 
 
+@pytest.mark.full  # the fast suite runs the elastic driver's restart once (a killed worker replaced)
 def test_the_digits_example_survives_a_killed_worker(tmp_path):
     """Horovod's pytorch_mnist_elastic.py pattern (examples/train_digits_elastic.py), one of its 3
     workers SIGKILLed from outside after its first commit: it ends at 2 ranks with accuracy >= 0.95."""

@@ -40,6 +40,7 @@ def test_digits_example_trains_and_resumes(tmp_path):
     assert final_accuracy(resumed) >= 0.95, resumed
 
 
+@pytest.mark.full  # the fast suite trains the main example; ZeRO-1 is tested in tests/parallel/test_zero.py
 @pytest.mark.torch
 def test_digits_example_trains_and_resumes_with_sharded_optimizer_state(tmp_path):
     checkpoint = str(tmp_path / "digits.pt")
@@ -52,6 +53,7 @@ def test_digits_example_trains_and_resumes_with_sharded_optimizer_state(tmp_path
     assert final_accuracy(resumed) >= 0.95, resumed
 
 
+@pytest.mark.full  # two more launches of the main example
 @pytest.mark.torch  # the example is a torch script
 def test_the_progress_bar_shows_on_rank_0_under_mpiexec_unless_switched_off(tmp_path):
     # Under mpiexec no rank's stderr is a terminal; the bar is drawn anyway, by rank 0 alone.
@@ -82,6 +84,7 @@ def test_tensorflow_digits_example_trains_with_its_tape_in_a_tf_function():
     assert final_accuracy(output) >= 0.95, output
 
 
+@pytest.mark.full  # Lightning is tested in tests/parallel/test_lightning.py
 @pytest.mark.torch
 @pytest.mark.lightning
 def test_lightning_digits_example_trains_at_2_ranks_and_resumes_at_1(tmp_path):

@@ -156,6 +156,7 @@ def test_on_a_cpu_machine_it_installs_only_what_is_missing_then_stops_with_no_gp
     assert where and all(w.startswith(str(BASE_VENV)) for w in where), where
 
 
+@pytest.mark.full  # an install from a wheelhouse: 25-40 s
 def test_offline_it_installs_from_the_wheelhouse_only_the_wheels_it_needs(tmp_path):
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     wheels = fill_wheelhouse(tmp_path / "whl", version)
