@@ -290,6 +290,8 @@ def test_enum_values_match_the_shipped_nccl_h():
     for enum in ("ncclResult_t", "ncclRedOp_t", "ncclDataType_t"):
         body = re.search(r"typedef enum \{([^}]*)\}\s*" + enum + ";", text).group(1)
         for name, value in re.findall(r"(\w+)\s*=\s*(\d+)\b", body):
+            if name.startswith("ncclNum"):  # a count of the members, not one: grows with versions
+                continue
             assert nccl._const(name) == int(value), f"{enum}.{name}"
             checked += 1
     assert checked >= 30
