@@ -104,7 +104,8 @@ SETTINGS: tuple[Setting, ...] = (
         "(DDP's bucket_cap_mb; the fusion threshold if larger), cut in reverse parameter order per "
         "(device, dtype), as DDP's, and allreduces each bucket "
         "once all its gradients are ready: one collective per bucket instead of one per gradient. "
-        "Larger gradients are allreduced alone, in place. Only without a comm_hook, "
+        "Larger gradients are allreduced alone, in place; gradients on a GPU all go into buckets "
+        "(copies cost microseconds there, a collective costs the host far more). Only without a comm_hook, "
         "gradient_as_bucket_view, groups, compression or Adasum. 0: every gradient alone.",
         check=not_negative,
         must_match="which gradients share buckets",

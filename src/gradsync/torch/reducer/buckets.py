@@ -18,8 +18,8 @@ Without views, gradients are copied into the buffer and the result copied back.
 By default (no hook, no ``gradient_as_bucket_view``) the same buckets carry the gradients smaller
 than ``GRADSYNC_SMALL_GRADIENT_BYTES`` (256 KiB), cut with a capacity of 25 MiB (or the fusion
 threshold if larger) and reduced by one allreduce each
-(:class:`gradsync.torch.reducer.strategies.SmallGradientBuckets`); larger gradients are not in a bucket
-and are allreduced alone, in place.
+(:class:`gradsync.torch.reducer.strategies.SmallGradientBuckets`); larger gradients in host memory
+are not in a bucket and are allreduced alone, in place, while on a GPU every gradient is bucketed.
 
 :func:`shard_plan` cuts ZeroRedundancyOptimizer's buckets and splits each evenly by element over
 the ranks (a parameter may span owners); each :class:`ShardBucket` is reduce-scattered to its

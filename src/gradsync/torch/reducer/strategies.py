@@ -8,7 +8,7 @@ dense gradient and which hooks it registers:
 
 * :class:`PerGradient`: each gradient allreduced alone, or Horovod's reduction ``groups``;
 * :class:`SmallGradientBuckets`: the default; gradients below ``GRADSYNC_SMALL_GRADIENT_BYTES``
-  copied into buckets, the larger ones allreduced alone;
+  (and every gradient on a GPU) copied into buckets, the larger ones allreduced alone;
 * :class:`Buckets`: every gradient copied into a bucket that a communication hook reduces;
 * :class:`BucketViews`: the same, with ``p.grad`` a view into its bucket (no copies);
 * :class:`AdasumDeltas`: no gradient reduced; ``step()`` combines the updates by Adasum;
@@ -233,11 +233,18 @@ class BucketViews(Buckets):
 
 
 class SmallGradientBuckets(Buckets):
-    """The default: gradients smaller than ``below`` bytes (``GRADSYNC_SMALL_GRADIENT_BYTES``) are
-    copied into buckets of up to ``capacity`` bytes that one allreduce each reduces (``hook``:
-    :class:`~gradsync.torch.comm_hooks.CompressedAllreduce` with the optimizer's scale factors),
-    and the results copied back; larger gradients are allreduced alone, in place. The same
-    numbers as :class:`PerGradient`, fewer collectives."""
+    """The default: gradients smaller than ``below`` bytes (``GRADSYNC_SMALL_GRADIENT_BYTES``),
+    and every gradient on a GPU, are copied into buckets of up to ``capacity`` bytes that one
+    allreduce each reduces (``hook``: :class:`~gradsync.torch.comm_hooks.CompressedAllreduce`
+    with the optimizer's scale factors), and the results copied back; larger host gradients are
+    allreduced alone, in place. The same numbers as :class:`PerGradient`, fewer collectives.
+
+    On a GPU a bucket's copies cost microseconds (one foreach copy in, one out, at device memory
+    bandwidth) while each collective costs the host a negotiation, a submission and stream
+    events, so every gradient is bucketed, as DDP's reducer does (docs/gpu.md). In host memory a
+    copy of a large gradient costs more than its collective saves
+    (docs/performance-notes.md, fact 4). Which parameters are bucketed depends on their devices,
+    sizes and order, the same on every rank."""
 
     def __init__(self, reduction: Reduction, rank: int, hook: CommHook, capacity: int,
                  below: int) -> None:
@@ -245,7 +252,7 @@ class SmallGradientBuckets(Buckets):
         self.below = below
 
     def _add_buckets(self, params: list[torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> None:
-        small = [p for p in params if p.numel() * p.element_size() < self.below]
+        small = [p for p in params if p.is_cuda or p.numel() * p.element_size() < self.below]
         super()._add_buckets(small, groups)
 
 
