@@ -22,7 +22,7 @@ BACKEND = "gradsync"
 
 
 def register() -> None:
-    """Register the "gradsync" backend (CPU tensors) and the "gradsync://" rendezvous with
+    """Register the "gradsync" backend (CPU and CUDA tensors) and the "gradsync://" rendezvous with
     torch.distributed; does nothing where torch.distributed is unavailable, or a second time."""
     import torch.distributed as dist
 
@@ -30,7 +30,7 @@ def register() -> None:
         return
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     if BACKEND not in rendezvous._rendezvous_handlers:
         rendezvous.register_rendezvous_handler(BACKEND, _rendezvous)
     # torch >= 2.15 attaches its flight recorder to every group of a backend not in this set, through

@@ -122,7 +122,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     @property
     def _device_types(self) -> list[torch.device]:
-        return [torch.device("cpu")]
+        """CPU and CUDA tensors (torch's object collectives pick the CPU when it is listed)."""
+        return [torch.device("cpu"), torch.device("cuda")]
+
+    #: torch's batch_isend_irecv coalesces the messages of a backend that says so (NCCL's); this
+    #: group posts each message at once instead (read through :meth:`_get_backend`).
+    supports_coalescing = False
 
     def _get_backend(self, device: Any = None) -> GradsyncProcessGroup:
         """The group's backend for ``device``: the group itself (a Python process group has no C++

@@ -2,7 +2,9 @@
 scatter, the all-to-alls and barrier (same conventions as :mod:`.reductions`).
 
 gather and scatter have no engine op of their own: gather is an allgather whose result only the
-root keeps, scatter an alltoall in which only the root sends (one row to each rank).
+root keeps, scatter an alltoall in which only the root sends (one row to each rank). CUDA tensors
+go through the engine's GPU path where it has one (broadcast, the allgathers); the all-to-alls
+(and scatter) send host copies of them (:func:`host`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ def broadcast(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
     pending = [ops.broadcast_async_(tensor, root, name=f"{name}.{i}", process_set=pg.process_set)
                for i, tensor in enumerate(tensors)]
     return pg.completer.work(pending, lambda results: list(tensors))
+
+
+def host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory, for the engine's collectives that run there only (alltoall,
+    reducescatter): itself, or a copy of a CUDA tensor. The copy waits for the work enqueued on
+    the current stream, so it holds what the caller's kernels wrote; the call's finish copies the
+    host results into the CUDA outputs."""
+    return tensor.cpu() if tensor.is_cuda else tensor
 
 
 def gather_rows(pg: Any, tensor: torch.Tensor, name: str) -> Any:
@@ -108,7 +118,7 @@ def scatter(pg: Any, outputs: Sequence[torch.Tensor], input_lists: Sequence[Sequ
         else:
             rows = output.new_empty((0, output.numel()))
             splits = [0] * pg.size()
-        pending.append(ops.alltoall_async(rows, splits=splits, name=f"{name}.{i}",
+        pending.append(ops.alltoall_async(host(rows), splits=splits, name=f"{name}.{i}",
                                           process_set=pg.process_set))
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -126,7 +136,7 @@ def alltoall(pg: Any, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Te
         raise ValueError(f"gradsync: all_to_all: {len(inputs)} inputs and {len(outputs)} outputs "
                          f"for {pg.size()} ranks")
     flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
-    handle = ops.alltoall_async(flat, splits=[tensor.numel() for tensor in inputs],
+    handle = ops.alltoall_async(host(flat), splits=[tensor.numel() for tensor in inputs],
                                 name=pg.next_name("alltoall"), process_set=pg.process_set)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -141,7 +151,7 @@ def alltoall_single(pg: Any, output: torch.Tensor, tensor: torch.Tensor, output_
     """``dist.all_to_all_single``: rows of ``tensor`` (dimension 0) to each rank by
     ``input_splits`` (empty: evenly); ``output`` receives each rank's rows in rank order."""
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    handle = ops.alltoall_async(rows, splits=list(input_splits) or None,
+    handle = ops.alltoall_async(host(rows), splits=list(input_splits) or None,
                                 name=pg.next_name("alltoall_single"), process_set=pg.process_set)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:

@@ -7,7 +7,9 @@ posted at once (MPI_Isend / MPI_Irecv, in the calling thread) and waited for by 
 point-to-point completion thread, separate from the collectives' one: a pending receive never
 holds back the completion of a collective, nor a barrier.
 
-Tensors travel as their raw bytes: sender and receiver must agree on dtype and size (a larger
+Tensors travel as their raw bytes, CUDA tensors through host copies (sent from a copy made when
+``send`` is called; received into host memory and copied into the tensor before the Work
+completes): sender and receiver must agree on dtype and size (a larger
 message than the receiving tensor fails that receive with MPI's truncation error).
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .movement import host
 from .work import Completer, FutureWork
 
 
@@ -37,7 +40,7 @@ class PointToPoint:
         """Post ``tensors`` to group rank ``dst``; the Work completes once MPI has sent them."""
         from mpi4py import MPI
 
-        buffers = [_bytes(tensor.contiguous()) for tensor in tensors]
+        buffers = [_bytes(host(tensor).contiguous()) for tensor in tensors]
         requests = [self._comm.Isend([buffer, MPI.BYTE], dest=dst, tag=tag) for buffer in buffers]
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -51,8 +54,8 @@ class PointToPoint:
         ``_source_rank()`` is the sender once it completed."""
         from mpi4py import MPI
 
-        targets = [tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.
-                   contiguous_format) for tensor in tensors]
+        targets = [tensor if tensor.is_contiguous() and not tensor.is_cuda
+                   else torch.empty(tensor.shape, dtype=tensor.dtype) for tensor in tensors]
         statuses = [MPI.Status() for _ in targets]
         source = MPI.ANY_SOURCE if src is None else src
         requests = [self._comm.Irecv([_bytes(target), MPI.BYTE], source=source, tag=tag)

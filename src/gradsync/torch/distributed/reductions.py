@@ -3,8 +3,10 @@
 Each function takes the process group (its process set, names and completer), submits to gradsync's
 engine through the public async ops and returns a torch ``Work``. Results land in torch's own
 tensors: in place where the engine can write there (allreduce), else copied by the call's finish in
-the completion thread. Local checks of torch's arguments that the other ranks cannot see (an output
-of the wrong size) fail in the finish, after the collective ran, so that no rank is left waiting.
+the completion thread. CUDA tensors are allreduced on the GPU (NCCL, or gradsync's staging through
+pinned memory); reduce_scatter sends host copies of them (:func:`.movement.host`). Local checks of
+torch's arguments that the other ranks cannot see (an output of the wrong size) fail in the
+finish, after the collective ran, so that no rank is left waiting.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from ... import ops
 from ...engine.protocol import ReduceOp
-from .movement import gather_rows
+from .movement import gather_rows, host
 from .reduce_ops import Reduction, reduction
 
 
@@ -123,7 +125,7 @@ def _submit_reducescatter(pg: Any, rows: torch.Tensor, opts: Any, name: str, cal
     how = _reduction(pg, opts, rows, call)
     if how.fold is not None:
         return gather_rows(pg, rows, name), how
-    return ops.reducescatter_async(rows, name=name, op=how.op, prescale_factor=how.prescale,
+    return ops.reducescatter_async(host(rows), name=name, op=how.op, prescale_factor=how.prescale,
                                    process_set=pg.process_set), how
 
 

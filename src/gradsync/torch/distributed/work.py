@@ -82,7 +82,9 @@ class _Call:
             # caller's thread is in: outputs made under torch.inference_mode() (Lightning's
             # validation loop) are inference tensors, which only inference mode may write.
             with torch.inference_mode():
-                return self.finish(results), None
+                outputs = self.finish(results)
+            _settle(outputs)
+            return outputs, None
         except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
             return None, error
 
@@ -148,6 +150,17 @@ class FutureWork(dist.Work):
             raise RuntimeError("gradsync: only a receive's Work has a source rank")
         self.wait()
         return self._source()
+
+
+def _settle(outputs: Sequence[Any]) -> None:
+    """Block this thread until the GPU work writing the CUDA tensors among ``outputs`` has run:
+    the engine's collective (each handle's ``wait()`` made this thread's current stream wait for
+    it) and the finish's copies, both on this thread's current stream of their device. A call's
+    future then completes only once its CUDA results are in memory, so that any stream of any
+    thread may read them (as with gloo's CUDA tensors; NCCL's futures instead carry CUDA events)."""
+    devices = {t.device for t in outputs if isinstance(t, torch.Tensor) and t.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _wait(pending: Pending) -> Any:
