@@ -41,6 +41,7 @@ several ranks may share one with GRADSYNC_GPU_OPERATIONS=MPI), every step ends w
 
     python benchmarks/train_step.py --mode single --device cuda --batch 256
     mpiexec -n 1 python benchmarks/train_step.py --mode gradsync --device cuda --batch 256
+    mpiexec -n 1 python benchmarks/train_step.py --mode ddp --ddp-backend gradsync --device cuda --batch 256
 
 Models (--model), batch 32 per rank, SGD with momentum (or --optimizer adam), torch.set_num_threads(1):
   mlp (default): 24 x (Linear(768, 768) + ReLU) + Linear(768, 10) (50 tensors, 14.2 M parameters);
@@ -160,7 +161,7 @@ def make_optimizer(kind: str, model):
 def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshold: int | None,
             device: str = "cpu", batch: int = BATCH, synchronize_at_step: bool = False,
             hooks: tuple[str, str, int] = ("none", "auto", 2), set_to_none: bool = True,
-            optimizer_kind: str = "sgd", zero: bool = False) -> None:
+            optimizer_kind: str = "sgd", zero: bool = False, ddp_backend: str | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -194,12 +195,18 @@ def measure(mode: str, model_kind: str, steps: int, warmup: int, fusion_threshol
 
         world = MPI.COMM_WORLD
         rank = world.Get_rank()
-        port = world.bcast(29500 + os.getpid() % 1000, root=0)
         if cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
             model = model.cuda()
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world.Get_size())
+        if ddp_backend == "gradsync":  # torch.distributed on gradsync's engine (docs/torch-distributed.md)
+            import gradsync.torch  # noqa: F401 - registers the backend
+
+            dist.init_process_group("gradsync", init_method="gradsync://")
+        else:
+            port = world.bcast(29500 + os.getpid() % 1000, root=0)
+            dist.init_process_group(ddp_backend or ("nccl" if cuda else "gloo"),
+                                    init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world.Get_size())
         model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = make_optimizer(optimizer_kind, model)
     else:
@@ -390,6 +397,8 @@ def main() -> None:
     parser.add_argument("--keep-grads", action="store_true",
                         help="zero_grad(set_to_none=False) (gradients stay bucket views)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--ddp-backend", choices=["gloo", "nccl", "gradsync"], default=None,
+                        help="--mode ddp: the torch.distributed backend (default: nccl on cuda, else gloo)")
     parser.add_argument("--zero", action="store_true",
                         help="gradsync: ZeroRedundancyOptimizer instead of DistributedOptimizer")
     args = parser.parse_args()
@@ -400,7 +409,7 @@ def main() -> None:
         measure(args.mode, args.model, args.steps, args.warmup, args.fusion_threshold, args.device,
                 args.batch, args.synchronize_at_step,
                 (args.comm_hook, args.bucket_view, args.powersgd_rank), not args.keep_grads,
-                args.optimizer, args.zero)
+                args.optimizer, args.zero, args.ddp_backend)
 
 
 if __name__ == "__main__":

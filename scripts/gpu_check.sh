@@ -16,7 +16,9 @@
 # from this checkout (PYTHONPATH=src).
 #
 # Then (each step under a timeout, its output in $OUT/<step>.log, PASS/FAIL and figures in
-# $OUT/summary.txt): env, pytest, nccl-train, mpi-train, example, timeline, bench (see --plan).
+# $OUT/summary.txt): env, pytest, dist-cuda, nccl-train, mpi-train, example, timeline, bench (see
+# --plan). ONLY="pytest dist-cuda bench" runs those groups alone (env always runs): a rerun of the
+# checks a change touched, inside a short lease.
 # Exit status: 0 when every check passed, 1 when one failed, 2 when there is no GPU or a requirement
 # could not be installed. The whole run stops starting steps after BUDGET_S (450) seconds.
 set -euo pipefail
@@ -36,6 +38,7 @@ MAX_MPI_RATIO=${MAX_MPI_RATIO:-4}           # 2 ranks on one GPU through MPI sta
 MIN_OVERLAP_PCT=${MIN_OVERLAP_PCT:-0}       # allreduce time overlapping backward must exceed it
 FUSION_BYTES=${FUSION_BYTES:-67108864}      # fusion buffer ("buckets") of the benchmark, 64 MiB
 EXAMPLE_EPOCHS=${EXAMPLE_EPOCHS:-5}
+ONLY=${ONLY:-}                              # groups to run (default all): pytest dist-cuda train example timeline bench
 BENCH_REPEATS=${BENCH_REPEATS:-3}           # interleaved launches per benchmark configuration
 
 plan() {
@@ -48,6 +51,9 @@ plan: each check, and the reference it is compared with
                reference: True (else exit 2)
   pytest       tests/test_gpu.py tests/test_nccl.py tests/test_device.py
                reference: none fails, and the GPU tests ran (not all skipped)
+  dist-cuda    tests/parallel/test_torch_distributed_cuda.py: torch.distributed on backend "gradsync"
+               with CUDA tensors (every call, DDP, FSDP2), 1 rank through NCCL, 2 ranks through MPI staging
+               reference: numpy values and one process on the whole batch; none fails, none skipped
   nccl-train   DistributedOptimizer through NCCL, 1 rank (tests/workers/gpu_train.py)
                reference: one process training alone on the same batches: the same weights
   mpi-train    the same, 2 ranks sharing the GPU through MPI staging
@@ -60,6 +66,8 @@ plan: each check, and the reference it is compared with
                reference: the single GPU without gradsync: median step at most $MAX_OVERHEAD_PCT % slower
   bench-mpi    the same, 2 ranks sharing the GPU through MPI staging
                reference: median step at most $MAX_MPI_RATIO x the single GPU's
+  bench rows   beside them, figures only: gradsync with every gradient alone (GRADSYNC_SMALL_GRADIENT_BYTES=0),
+               torch DDP over NCCL, torch DDP over the gradsync backend (1 rank each)
                (benchmark figures: medians of $BENCH_REPEATS interleaved launches of each)
 EOF
 }
@@ -213,6 +221,9 @@ if "$MPIEXEC" --version 2>&1 | grep -qE "Open MPI|OpenRTE|PRRTE"; then
 fi
 MPIRUN=("$MPIEXEC" "${MPI_FLAGS[@]}")
 
+selected() {  # selected GROUP: whether ONLY (empty: everything) names it
+    [[ -z $ONLY || " $ONLY " == *" $1 "* ]]
+}
 failed=0
 DEADLINE=$((SECONDS + ${BUDGET_S:-450}))   # the whole run stays under 8 minutes
 step() {  # step NAME TIMEOUT COMMAND...: run it, log it, record PASS/FAIL
@@ -261,6 +272,7 @@ EOF" || true
 grep -E "^(torch|mpi4py|nccl_|cupy)" "$OUT/env.log" | sed 's/^/      /' | tee -a "$SUMMARY" || true
 
 # ---- tests -----------------------------------------------------------------------------------------
+if selected pytest; then
 step pytest 200 "$VPY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     tests/test_gpu.py tests/test_nccl.py tests/test_device.py || true
 [[ -f $OUT/pytest.xml ]] && judge pytest-gpu-ran "
@@ -270,13 +282,33 @@ gpu = [c for c in cases if c.get('classname', '').endswith('test_gpu')]
 ran = [c for c in gpu if c.find('skipped') is None]
 print(f'{len(ran)} of {len(gpu)} tests of tests/test_gpu.py ran (reference: more than 0)')
 raise SystemExit(0 if ran else 1)"
+fi
 
+# torch.distributed on the gradsync backend with CUDA tensors: pytest on every rank (tests/parallel)
+DIST_TEST=(-m pytest -q -rs -p no:cacheprovider tests/parallel/test_torch_distributed_cuda.py)
+if selected dist-cuda; then
+    step dist-cuda-nccl 120 "${MPIRUN[@]}" -n 1 "$VPY" "${DIST_TEST[@]}" || true
+    step dist-cuda-mpi 150 env GRADSYNC_GPU_OPERATIONS=MPI "${MPIRUN[@]}" -n 2 "$VPY" "${DIST_TEST[@]}" || true
+    judge dist-cuda "
+import re
+bad = False
+for name in ('dist-cuda-nccl', 'dist-cuda-mpi'):
+    lines = [l for l in open('$OUT/' + name + '.log').read().splitlines() if re.search(r'[0-9]+ (passed|failed)', l)]
+    line = lines[-1].strip('= ') if lines else 'no pytest summary'
+    counts = {what.rstrip('s'): int(n) for n, what in re.findall(r'([0-9]+) (passed|failed|skipped|errors?)', line)}
+    print(f'{name}: {line};')
+    bad = bad or not counts.get('passed') or bool(counts.get('failed') or counts.get('error'))
+raise SystemExit(1 if bad else 0)"
+fi
+
+if selected train; then
 step nccl-train 90 "${MPIRUN[@]}" -n 1 "$VPY" tests/workers/gpu_train.py || true
 step mpi-train 90 env GRADSYNC_GPU_OPERATIONS=MPI "${MPIRUN[@]}" -n 2 "$VPY" tests/workers/gpu_train.py || true
+fi
 
 # ---- the example: GPU against CPU ------------------------------------------------------------------
 EXAMPLE=(examples/train_digits.py --epochs "$EXAMPLE_EPOCHS" --no-progress)
-if step example-cpu 120 "${MPIRUN[@]}" -n 1 "$VPY" "${EXAMPLE[@]}" --device cpu --checkpoint "$OUT/digits-cpu.pt" &&
+if selected example && step example-cpu 120 "${MPIRUN[@]}" -n 1 "$VPY" "${EXAMPLE[@]}" --device cpu --checkpoint "$OUT/digits-cpu.pt" &&
    step example-cuda 120 "${MPIRUN[@]}" -n 1 "$VPY" "${EXAMPLE[@]}" --device cuda --checkpoint "$OUT/digits-cuda.pt"; then
     judge example "
 def accuracy(name):
@@ -288,7 +320,7 @@ fi
 
 # ---- timeline and overlap --------------------------------------------------------------------------
 BENCH=(benchmarks/train_step.py --device cuda --batch 256 --steps 100 --warmup 10)
-if step timeline 90 env GRADSYNC_TIMELINE="$OUT/timeline.json" "${MPIRUN[@]}" -n 1 "$VPY" "${BENCH[@]}" \
+if selected timeline && step timeline 90 env GRADSYNC_TIMELINE="$OUT/timeline.json" "${MPIRUN[@]}" -n 1 "$VPY" "${BENCH[@]}" \
         --mode gradsync --steps 20 --fusion-threshold "$FUSION_BYTES"; then
     judge overlap "
 from gradsync.timeline import load, summarize
@@ -300,10 +332,16 @@ raise SystemExit(0 if pct > $MIN_OVERLAP_PCT else 1)"
 fi
 
 # ---- benchmark: interleaved launches, medians ------------------------------------------------------
+if selected bench; then
 for repeat in $(seq "$BENCH_REPEATS"); do
     step "bench-single-$repeat" 60 "$VPY" "${BENCH[@]}" --mode single || true
     step "bench-nccl-$repeat" 60 "${MPIRUN[@]}" -n 1 "$VPY" "${BENCH[@]}" --mode gradsync \
         --fusion-threshold "$FUSION_BYTES" || true
+    step "bench-pergrad-$repeat" 60 env GRADSYNC_SMALL_GRADIENT_BYTES=0 "${MPIRUN[@]}" -n 1 "$VPY" \
+        "${BENCH[@]}" --mode gradsync --fusion-threshold "$FUSION_BYTES" || true
+    step "bench-ddpnccl-$repeat" 60 "${MPIRUN[@]}" -n 1 "$VPY" "${BENCH[@]}" --mode ddp --ddp-backend nccl || true
+    step "bench-ddpgradsync-$repeat" 60 "${MPIRUN[@]}" -n 1 "$VPY" "${BENCH[@]}" --mode ddp \
+        --ddp-backend gradsync || true
     step "bench-mpi-$repeat" 90 env GRADSYNC_GPU_OPERATIONS=MPI "${MPIRUN[@]}" -n 2 "$VPY" "${BENCH[@]}" \
         --mode gradsync --fusion-threshold "$FUSION_BYTES" || true
 done
@@ -319,6 +357,13 @@ def median(kind):
 print(f'median step (mlp, batch 256 per rank, medians of {n} launches x 100 steps): single {single:.2f} ms, '
       f'gradsync NCCL {nccl:.2f} ms ({100 * (nccl / single - 1):+.1f} %), MPI staging 2 ranks {mpi:.2f} ms '
       f'({mpi / single:.2f} x)')
+for kind, label in (('pergrad', 'gradsync NCCL, every gradient alone'), ('ddpnccl', 'DDP over NCCL'),
+                    ('ddpgradsync', 'DDP over the gradsync backend')):
+    try:
+        value, _ = median(kind)
+        print(f'{label} {value:.2f} ms ({100 * (value / single - 1):+.1f} %)')
+    except SystemExit as missing:
+        print(missing)
 "
 judge bench-nccl "$BENCH_FIGURES
 print('reference: NCCL <= single + $MAX_OVERHEAD_PCT %')
@@ -326,6 +371,7 @@ raise SystemExit(0 if nccl <= single * (1 + $MAX_OVERHEAD_PCT / 100) else 1)"
 judge bench-mpi "$BENCH_FIGURES
 print('reference: MPI staging <= $MAX_MPI_RATIO x single')
 raise SystemExit(0 if mpi <= single * $MAX_MPI_RATIO else 1)"
+fi
 
 if (( failed )); then say "RESULT: FAIL"; exit 1; fi
 say "RESULT: PASS"
