@@ -780,3 +780,43 @@ def test_distributed_checkpoint_saves_and_loads_a_sharded_model(tmp_path, rank, 
     loaded.load_state_dict(state)
     for got, want in zip(loaded.parameters(), square_model().parameters()):
         torch.testing.assert_close(got.full_tensor().detach(), want.detach(), rtol=0, atol=0)
+
+
+def test_a_barrier_some_rank_makes_late_fails_after_its_timeout_and_completes_when_it_arrives(rank, size):
+    """``dist.barrier(timeout=...)``, as gloo's: a rank whose barrier the others do not join within
+    the timeout gets a timeout error then (not a hang); the barrier itself stays pending and
+    completes once the late rank arrives, so the ranks stay in step."""
+    if size < 2:
+        pytest.skip("needs a second rank to be late")
+    started = time.monotonic()
+    if rank == 0:
+        with raises(RuntimeError, "Timed out", "barrier"):
+            dist.barrier(timeout=datetime.timedelta(seconds=1))
+        waited = time.monotonic() - started
+    else:
+        time.sleep(2.5)
+        dist.barrier()
+        waited = 1.0
+    dist.barrier()  # the next call of the group orders after the late barrier
+    assert 1.0 <= waited < 2.5
+
+
+def test_a_groups_timeout_fails_a_call_some_rank_makes_late(rank, size):
+    """A group made with ``timeout=``: a blocking all_reduce that another rank has not joined
+    within it fails with torch's DistBackendError naming the call; the late rank's call then
+    completes, and the group keeps working."""
+    if size < 2:
+        pytest.skip("needs a second rank to be late")
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    tensor = torch.ones(3)
+    if rank == 0:
+        with raises(dist.DistBackendError, "Timed out", "allreduce"):
+            dist.all_reduce(tensor, group=group)
+    else:
+        time.sleep(2.5)
+        dist.all_reduce(tensor, group=group)
+    dist.barrier()  # on the default group, without a short timeout: rank 1 is here now
+    after = torch.full((2,), float(rank))
+    dist.all_reduce(after, group=group)
+    dist.destroy_process_group(group)
+    assert after.tolist() == [float(sum(range(size)))] * 2

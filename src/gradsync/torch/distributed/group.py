@@ -22,7 +22,7 @@ from ...process import runtime
 from ...process_sets import ProcessSet, global_process_set
 from . import movement, reductions
 from .point_to_point import PointToPoint
-from .work import Completer
+from .work import Completer, seconds
 
 BACKEND = "gradsync"
 #: Engine names per call kind that rotate (:meth:`GradsyncProcessGroup.next_name`): 60 is divided
@@ -40,10 +40,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         process_set: the registered gradsync process set of the group's ranks.
         world_ranks: the group's world ranks, in group-rank order (sorted).
         p2p_comm: the group's own MPI communicator for send and recv (None: they raise).
+        timeout: the group's ``timeout`` (seconds; None: none): a call not finished that long
+            after it was made fails with a timeout error (:class:`.work.Deadlines`), as gloo's.
     """
 
     def __init__(self, rank: int, size: int, process_set: ProcessSet, world_ranks: Sequence[int],
-                 p2p_comm: Any = None) -> None:
+                 p2p_comm: Any = None, timeout: float | None = None) -> None:
         super().__init__(rank, size)
         self.process_set = process_set
         self._world_ranks = list(world_ranks)
@@ -51,8 +53,8 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
-        self.completer = Completer(f"pg{process_set.process_set_id}")
-        self._p2p = PointToPoint(p2p_comm, f"pg{process_set.process_set_id}")
+        self.completer = Completer(f"pg{process_set.process_set_id}", timeout)
+        self._p2p = PointToPoint(p2p_comm, f"pg{process_set.process_set_id}", timeout)
 
     # -- what the calls need
     def next_name(self, call: str) -> str:
@@ -242,7 +244,8 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
         raise ValueError(f"gradsync: torch says rank {opts.group_rank} of {opts.group_size} in group "
                          f"{ranks}, but this is gradsync's rank {rt.rank} of {rt.size}")
     process_set = _process_set(rt, ranks)
-    return GradsyncProcessGroup(opts.group_rank, opts.group_size, process_set, ranks, _p2p_comm(rt, ranks))
+    return GradsyncProcessGroup(opts.group_rank, opts.group_size, process_set, ranks, _p2p_comm(rt, ranks),
+                                seconds(getattr(opts, "timeout", None)))
 
 
 def _p2p_comm(rt: Any, ranks: list[int]) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ... import ops
+from .work import seconds
 
 
 def broadcast(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
@@ -167,7 +168,9 @@ def alltoall_single(pg: Any, output: torch.Tensor, tensor: torch.Tensor, output_
 
 def barrier(pg: Any, opts: Any = None) -> Any:
     """``dist.barrier``: gradsync's barrier, ordered after this group's earlier calls, run by the
-    completion thread so that ``async_op=True`` returns at once."""
+    completion thread so that ``async_op=True`` returns at once; ``timeout=`` (or the group's)
+    bounds it."""
     name = pg.next_name("barrier")
     return pg.completer.work([lambda: ops.barrier(name=name, process_set=pg.process_set)],
-                             lambda results: [])
+                             lambda results: [], timeout=seconds(getattr(opts, "timeout", None)),
+                             what=f"barrier {name}")

@@ -32,9 +32,9 @@ def _bytes(tensor: torch.Tensor) -> Any:
 class PointToPoint:
     """One group's send and recv on ``comm`` (its own communicator, freed by :meth:`close`)."""
 
-    def __init__(self, comm: Any, name: str) -> None:
+    def __init__(self, comm: Any, name: str, timeout: float | None = None) -> None:
         self._comm = comm
-        self._completer = Completer(f"{name}-p2p")
+        self._completer = Completer(f"{name}-p2p", timeout)
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> FutureWork:
         """Post ``tensors`` to group rank ``dst``; the Work completes once MPI has sent them."""
@@ -47,7 +47,8 @@ class PointToPoint:
             del buffers[:]  # kept alive until MPI is done with them
             return list(tensors)
 
-        return self._completer.work([request.Wait for request in requests], finish)
+        return self._completer.work([request.Wait for request in requests], finish,
+                                    what=f"send to rank {dst} (tag {tag})")
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int | None, tag: int) -> FutureWork:
         """Post receives into ``tensors`` from group rank ``src`` (None: any rank); the Work's
@@ -71,7 +72,8 @@ class PointToPoint:
 
         waits = [lambda request=request, status=status: request.Wait(status)
                  for request, status in zip(requests, statuses)]
-        return self._completer.work(waits, finish, source=lambda: senders[0])
+        return self._completer.work(waits, finish, source=lambda: senders[0],
+                                    what=f"recv from rank {'any' if src is None else src} (tag {tag})")
 
     def close(self) -> None:
         """Finish the messages waited for so far, then free the communicator."""

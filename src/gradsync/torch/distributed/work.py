@@ -24,6 +24,11 @@ is the ``then`` of an *outcome* future that gets (outputs, error): the ``then`` 
 which torch turns into a real error of the Work's future (a RuntimeError naming it, for C++
 callers and chained futures), and :meth:`FutureWork.wait` raises the original exception itself.
 
+A group's ``timeout`` (and ``barrier``'s own) gives each call a deadline: :class:`Deadlines`
+fails the future of a call still unsettled then (first settle wins, :meth:`_Call.settle`), and a
+waiter finishing a call itself waits for its handles until then only. The gradsync collective
+stays pending; if it completes later, its results are not copied out.
+
 torch before 2.13 keeps no reference to the Python object of a ``Work`` it got from a Python
 process group: once Python drops it, a C++ caller's ``wait()`` (DDP's parameter check) reaches the
 C++ base class and blocks for good. There the completer keeps each Work alive until its future
@@ -34,8 +39,10 @@ from __future__ import annotations
 
 import collections
 import datetime
+import heapq
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,16 +61,22 @@ KEEP_ALIVE = 256 if tuple(int(p) for p in torch.__version__.split("+")[0].split(
 
 
 class _Call:
-    """One call of the process group in flight; :meth:`take` says who finishes it (see the module)."""
+    """One call of the process group in flight; :meth:`take` says who finishes it, :meth:`settle`
+    who completes its future (see the module)."""
 
-    __slots__ = ("pending", "finish", "outcome", "future", "deferred", "_taken", "_lock")
+    __slots__ = ("pending", "finish", "outcome", "future", "deferred", "deadline", "what", "settled",
+                 "_taken", "_lock")
 
-    def __init__(self, pending: Sequence[Pending], finish: Finish) -> None:
+    def __init__(self, pending: Sequence[Pending], finish: Finish, deadline: float | None = None,
+                 what: str = "") -> None:
         self.pending = list(pending)
         self.finish = finish
         self.outcome: torch.futures.Future = torch.futures.Future()  # (outputs, error)
         self.future = self.outcome.then(_outputs_or_raise)  # the Work's (see the module)
         self.deferred = not all(hasattr(p, "add_done_callback") for p in self.pending)
+        self.deadline = deadline  # time.monotonic() after which it fails (the group's timeout)
+        self.what = what or next((p.name for p in self.pending if hasattr(p, "name")), "a call")
+        self.settled = False
         self._taken = False
         self._lock = threading.Lock()
 
@@ -73,11 +86,30 @@ class _Call:
             taken, self._taken = self._taken, True
         return not taken
 
+    def settle(self, outcome: tuple[Any, BaseException | None]) -> None:
+        """Complete the future with ``outcome`` unless it was completed already: the finish, or
+        the group's timeout (:class:`Deadlines`), whichever comes first."""
+        with self._lock:
+            if self.settled:
+                return
+            self.settled = True
+        self.outcome.set_result(outcome)
+
+    def timed_out(self) -> BaseException:
+        """The error of a call that outlived its deadline (torch's DistBackendError, a RuntimeError)."""
+        error = getattr(dist, "DistBackendError", RuntimeError)
+        return error(f"gradsync: {self.what}: Timed out after the process group's timeout: some rank "
+                     "has not made this call (gradsync's stall report, GRADSYNC_STALL_CHECK_TIME_SECONDS, "
+                     "names the ranks); the group's calls in flight are left pending")
+
     def outcome_of(self) -> tuple[Any, BaseException | None]:
-        """Wait for every pending item (here, in the calling thread) and finish: (outputs, None),
-        or (None, the error)."""
+        """Wait for every pending item (here, in the calling thread, until the deadline) and
+        finish: (outputs, None), or (None, the error)."""
         try:
-            results = [_wait(p) for p in self.pending]
+            try:
+                results = [_wait(p, self.deadline) for p in self.pending]
+            except TimeoutError:
+                return None, self.timed_out()
             # As torch's C++ backends write results, outside autograd and whatever mode the
             # caller's thread is in: outputs made under torch.inference_mode() (Lightning's
             # validation loop) are inference tensors, which only inference mode may write.
@@ -89,8 +121,10 @@ class _Call:
             return None, error
 
     def run(self) -> None:
-        """:meth:`outcome_of`, then complete the futures in this thread (their callbacks run here)."""
-        self.outcome.set_result(self.outcome_of())
+        """:meth:`outcome_of`, then complete the futures in this thread (their callbacks run here);
+        nothing once the call was settled by its timeout (its results are not written then)."""
+        if not self.settled:
+            self.settle(self.outcome_of())
 
 
 def _outputs_or_raise(outcome: torch.futures.Future) -> list[torch.Tensor]:
@@ -163,9 +197,74 @@ def _settle(outputs: Sequence[Any]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _wait(pending: Pending) -> Any:
-    """The result of one pending item: a handle's output, or a deferred call's return value."""
-    return pending.wait() if hasattr(pending, "wait") else pending()
+def seconds(timeout: Any) -> float | None:
+    """A torch timeout (a timedelta; negative or zero: unset) in seconds, or None."""
+    if timeout is None:
+        return None
+    value = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return value if value > 0 else None
+
+
+def _wait(pending: Pending, deadline: float | None = None) -> Any:
+    """The result of one pending item: a handle's output (waited for until ``deadline``, a
+    ``time.monotonic()``, then TimeoutError), or a deferred call's return value."""
+    if not hasattr(pending, "wait"):
+        return pending()
+    if deadline is None:
+        return pending.wait()
+    return pending.wait(max(0.0, deadline - time.monotonic()))
+
+
+class Deadlines:
+    """The calls of one group that have a deadline, and a thread that fails each one still
+    unsettled at its deadline (torch's process-group ``timeout``): started on the first call,
+    sleeping on a condition until the earliest deadline. Settled calls are dropped lazily."""
+
+    def __init__(self, name: str, expire: Callable[[_Call], None]) -> None:
+        self._name = name
+        self._expire = expire
+        self._heap: list[tuple[float, int, _Call]] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, call: _Call) -> None:
+        with self._cond:
+            self._count += 1
+            if len(self._heap) >= 1024 and self._count % 1024 == 0:  # drop the settled ones
+                self._heap = [item for item in self._heap if not item[2].settled]
+                heapq.heapify(self._heap)
+            heapq.heappush(self._heap, (call.deadline, self._count, call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"gradsync-torch-{self._name}-timeouts")
+                self._thread.start()
+            elif self._heap[0][2] is call:
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed:
+                    while self._heap and self._heap[0][2].settled:
+                        heapq.heappop(self._heap)
+                    left = self._heap[0][0] - time.monotonic() if self._heap else None
+                    if left is not None and left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._closed:
+                    return
+                _, _, call = heapq.heappop(self._heap)
+            self._expire(call)
 
 
 class Callbacks:
@@ -212,19 +311,28 @@ class Completer:
     """One process group's completions: callback threads for calls on gradsync handles, and a
     thread (started on the first deferred call, stopped by :meth:`close`) for deferred ones."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, timeout: float | None = None) -> None:
         self._name = name
+        self.timeout = timeout  # seconds (the group's); None: calls wait as long as they take
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._callbacks = Callbacks(name)
         self._recent: collections.deque = collections.deque(maxlen=KEEP_ALIVE)
+        self._deadlines = Deadlines(name, self._expire)
 
     def work(self, pending: Sequence[Pending], finish: Finish,
-             source: Callable[[], int] | None = None) -> FutureWork:
+             source: Callable[[], int] | None = None, timeout: float | None = None,
+             what: str = "") -> FutureWork:
         """A torch ``Work`` whose future gets ``finish(results of pending)`` (or its error);
-        ``source``: a receive's sender, for :meth:`FutureWork._source_rank`."""
-        call = _Call(pending, finish)
+        ``source``: a receive's sender, for :meth:`FutureWork._source_rank`. The call fails with
+        a timeout error (:meth:`_Call.timed_out`, naming ``what``) if it has not finished
+        ``timeout`` seconds from now (None: the group's timeout)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        call = _Call(pending, finish, deadline, what)
+        if deadline is not None:
+            self._deadlines.add(call)
         work = self._kept(FutureWork(call.future, source, call))
         if call.deferred:
             self._start()
@@ -233,6 +341,11 @@ class Completer:
             GroupHandle("", call.pending).add_done_callback(
                 lambda _: call.take() and self._callbacks.run(call.run))
         return work
+
+    def _expire(self, call: _Call) -> None:
+        """A call reached its deadline unsettled (the Deadlines thread): fail it in a callback
+        thread, where its future's callbacks run."""
+        self._callbacks.run(lambda: call.settle((None, call.timed_out())))
 
     def done(self, outputs: list[torch.Tensor]) -> FutureWork:
         """A ``Work`` already complete with ``outputs`` (a call that moves nothing)."""
@@ -257,6 +370,7 @@ class Completer:
         if thread is not None:
             self._queue.put(None)
             thread.join()
+        self._deadlines.close()
         self._callbacks.close()
 
     def _start(self) -> None:
@@ -270,6 +384,6 @@ class Completer:
     def _run(self) -> None:
         """The deferred calls, in submission order: run here, completed in a callback thread."""
         while (call := self._queue.get()) is not None:
-            if call.take():
+            if call.take() and not call.settled:
                 outcome = call.outcome_of()
-                self._callbacks.run(lambda call=call, outcome=outcome: call.outcome.set_result(outcome))
+                self._callbacks.run(lambda call=call, outcome=outcome: call.settle(outcome))
