@@ -801,6 +801,27 @@ def test_a_barrier_some_rank_makes_late_fails_after_its_timeout_and_completes_wh
     assert 1.0 <= waited < 2.5
 
 
+def test_a_group_whose_barrier_timed_out_and_is_never_joined_can_be_destroyed(rank, size):
+    """As in torch's test_barrier_timeout_full_group: rank 0 alone calls barrier on a group with a
+    1 s timeout; it fails there, and ``destroy_process_group`` of that group returns on every
+    rank (the barrier's thread is not waited for)."""
+    if size < 2:
+        pytest.skip("needs a rank that does not call")
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    stale = f"torch.{group.group_name}.barrier.0"
+    if rank == 0:
+        with raises(RuntimeError, "Timed out"):
+            dist.barrier(group=group)
+    else:
+        time.sleep(1.5)  # past rank 0's timeout
+    started = time.monotonic()
+    dist.destroy_process_group(group)
+    took = time.monotonic() - started
+    if rank != 0:  # join rank 0's barrier after all, so that it leaves no stall behind
+        gradsync.barrier(name=stale)
+    assert took < 1.0
+
+
 def test_a_groups_timeout_fails_a_call_some_rank_makes_late(rank, size):
     """A group made with ``timeout=``: a blocking all_reduce that another rank has not joined
     within it fails with torch's DistBackendError naming the call; the late rank's call then

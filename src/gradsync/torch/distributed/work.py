@@ -291,13 +291,13 @@ class Callbacks:
                 self._idle -= 1
         self._queue.put(job)
 
-    def close(self) -> None:
-        """End every thread once the jobs handed over so far are done."""
+    def close(self, wait: bool = True) -> None:
+        """End every thread once the jobs handed over so far are done (``wait``: join them)."""
         with self._lock:
             threads, self._threads = self._threads, []
         for _ in threads:
             self._queue.put(None)
-        for thread in threads:
+        for thread in threads if wait else ():
             thread.join()
 
     def _run(self) -> None:
@@ -320,6 +320,7 @@ class Completer:
         self._callbacks = Callbacks(name)
         self._recent: collections.deque = collections.deque(maxlen=KEEP_ALIVE)
         self._deadlines = Deadlines(name, self._expire)
+        self._expired = False  # a call timed out: its thread may wait for it for good
 
     def work(self, pending: Sequence[Pending], finish: Finish,
              source: Callable[[], int] | None = None, timeout: float | None = None,
@@ -345,6 +346,7 @@ class Completer:
     def _expire(self, call: _Call) -> None:
         """A call reached its deadline unsettled (the Deadlines thread): fail it in a callback
         thread, where its future's callbacks run."""
+        self._expired = True
         self._callbacks.run(lambda: call.settle((None, call.timed_out())))
 
     def done(self, outputs: list[torch.Tensor]) -> FutureWork:
@@ -364,14 +366,18 @@ class Completer:
         return work
 
     def close(self) -> None:
-        """Let the thread finish the calls queued so far, then end (and the callback threads)."""
+        """Let the thread finish the calls queued so far, then end (and the callback threads).
+        After a call timed out, the threads are told to end but not waited for: the thread of
+        a deferred call (a barrier some rank never joined) may wait for it as long as gradsync
+        does (daemon threads, ended with the process)."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join()
+            if not self._expired:
+                thread.join()
         self._deadlines.close()
-        self._callbacks.close()
+        self._callbacks.close(wait=not self._expired)
 
     def _start(self) -> None:
         if self._thread is None:
