@@ -30,10 +30,15 @@ def private_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))  # mkdtemp creates it with mode 0700
 
 
+def session_path(token: str) -> Path:
+    """The directory of one job's hand-over sockets on this node (the same path on every node:
+    the launched process finds it from the job's token on its command line)."""
+    return Path(tempfile.gettempdir()) / f"gradsync-ray-{token}"
+
+
 def session_dir(token: str) -> Path:
-    """The directory of one job's hand-over sockets on this node, created with mode 0700 (the
-    same path on every node: the launched process finds it from its command line)."""
-    path = Path(tempfile.gettempdir()) / f"gradsync-ray-{token}"
+    """:func:`session_path`, created with mode 0700 where it does not exist yet."""
+    path = session_path(token)
     path.mkdir(mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
     return path

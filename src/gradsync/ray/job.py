@@ -215,6 +215,11 @@ class MpiJob:
                 failed.append(self.ranks[i])
         return failed
 
+    def stop_proxies(self, timeout: float = STOP_GRACE_S) -> None:
+        """Kill the launcher's proxies in the actors that still answer within ``timeout`` seconds."""
+        refs = [self.call(i, rank.stop_proxies) for i in range(len(self.nodes))]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
     def close(self, wait: float = STOP_GRACE_S, background: bool = False) -> None:
         """Stop the relay and give the launcher ``wait`` seconds to end (it ends when the actors'
         processes have ended) before killing it; in a daemon thread when ``background``, for a

@@ -64,7 +64,11 @@ class Agent:
             self.stub = conn
             self.handed = {"launch": launch_env, "settings": settings, "fd": fd}
         finally:
-            self.listener.close()
+            self.listener.close()  # which removes the socket file
+            try:
+                self.session.rmdir()  # the last rank of this node to be handed over removes it
+            except OSError:
+                pass
             self.arrived.set()
 
     def adopt(self) -> None:

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     if rank is None or len(argv) != 1:
         print("gradsync.ray.stub: run by gradsync.ray's MPI launcher only", file=sys.stderr)
         return 2
-    session = channel.session_dir(argv[0])
+    session = channel.session_path(argv[0])
     conn = channel.connect(channel.rank_socket(session, rank), channel.authkey_from_env())
     launch, settings = identity(dict(os.environ))
     pmi_fd = launch.get("PMI_FD")
