@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -253,26 +254,32 @@ def allreduce_forever() -> None:
         gradsync.allreduce(np.ones(10), name="forever")
 
 
+def lose_a_rank(executor: RayExecutor, lose) -> tuple[WorkerError, float, tuple[str, str], list[int]]:
+    """Run allreduces on every rank until ``lose()``, called from a timer a second in, takes a rank
+    away. Returns run()'s error, the seconds from ``lose()`` to it, and the job's processes."""
+    pids = executor.run(os.getpid)
+    marks = job_processes(executor)
+    lost_at: list[float] = []
+    timer = threading.Timer(1.0, lambda: (lost_at.append(time.monotonic()), lose()))
+    timer.start()
+    with pytest.raises(WorkerError) as raised:
+        executor.run(allreduce_forever)
+    timer.join()
+    return raised.value, time.monotonic() - lost_at[0], marks, pids
+
+
 @pytest.mark.timeout(180)
 def test_a_killed_worker_makes_every_surviving_rank_fail_within_the_liveness_bound(cluster, monkeypatch):
     monkeypatch.setenv("GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS", str(FAILURE_TIMEOUT_S))
     executor = start(env={"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": str(FAILURE_TIMEOUT_S)})
     try:
-        pids = executor.run(os.getpid)
-        marks = job_processes(executor)
-        refs = executor.run_remote(allreduce_forever)
-        time.sleep(1.0)
-        killed = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerError) as raised:
-            executor._gather(refs)
-        took = time.monotonic() - killed
+        victim = executor.run(os.getpid)[1]
+        error, took, marks, pids = lose_a_rank(executor, lambda: os.kill(victim, signal.SIGKILL))
     finally:
         executor.shutdown()
-    message = str(raised.value)
-    assert set(raised.value.failures) == {0, 1}, message
-    assert "rank 1" in message and "worker process died" in message
-    assert "RankFailureError" in message
+    assert set(error.failures) == {0, 1}, str(error)
+    assert "rank 1" in str(error) and "worker process died" in str(error)
+    assert "RankFailureError" in str(error)
     assert took < FAILURE_TIMEOUT_S + 5, f"the survivor failed after {took:.1f} s"
     assert_nothing_left(marks, pids)
 
@@ -287,21 +294,12 @@ def test_a_removed_node_makes_every_surviving_rank_fail_within_the_liveness_boun
         executor.start(extra_env_vars={"OMP_NUM_THREADS": "1",
                                        "GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS": str(FAILURE_TIMEOUT_S)})
         lost = executor.nodes.index(doomed.node_id)
-        pids = executor.run(os.getpid)
-        marks = job_processes(executor)
-        refs = executor.run_remote(allreduce_forever)
-        time.sleep(1.0)
-        removed = time.monotonic()
-        cluster.remove_node(doomed)
-        with pytest.raises(WorkerError) as raised:
-            executor._gather(refs)
-        took = time.monotonic() - removed
+        error, took, marks, pids = lose_a_rank(executor, lambda: cluster.remove_node(doomed))
     finally:
         executor.shutdown()
-    message = str(raised.value)
-    assert set(raised.value.failures) == {0, 1, 2}, message
-    assert f"rank {lost}" in message and "worker process died" in message
-    assert message.count("RankFailureError") >= 2, message
+    assert set(error.failures) == {0, 1, 2}, str(error)
+    assert f"rank {lost}" in str(error) and "worker process died" in str(error)
+    assert str(error).count("RankFailureError") >= 2, str(error)
     assert took < FAILURE_TIMEOUT_S + 5, f"the survivors failed after {took:.1f} s"
     assert_nothing_left(marks, pids)
 
