@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,8 +63,8 @@ class _Worker:
         os.environ.update(env)
         self.executable: Any = None
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def node(self) -> tuple[str, str]:
+        return ray.get_runtime_context().get_node_id(), socket.gethostname()
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
@@ -200,9 +201,9 @@ class RayExecutor:
                                      self._group, placement_group_bundle_index=i // per_bundle)).remote(env)
                    for i in range(self.num_workers)]
         self.workers = workers
-        nodes = ray.get([worker.node_id.remote() for worker in workers],
-                        timeout=self.settings.timeout_s)
-        self._job = job.MpiJob(lambda i, fn, *args: workers[i].execute.remote(fn, *args), nodes)
+        nodes, hostnames = zip(*ray.get([worker.node.remote() for worker in workers],
+                                        timeout=self.settings.timeout_s))
+        self._job = job.MpiJob(lambda i, fn, *args: workers[i].execute.remote(fn, *args), nodes, hostnames)
         order = sorted(range(len(workers)), key=lambda i: self._job.ranks[i])
         self.workers = [workers[i] for i in order]
         self.nodes = [nodes[i] for i in order]

@@ -2,7 +2,7 @@
 
 :class:`MpiJob` runs the ``mpiexec`` of the MPI wheel beside this Python (the same one
 ``gradsyncrun`` uses: :func:`gradsync.run.launcher.find_mpiexec`) with one host per Ray node, named
-by :func:`host_name`, and ranks placed on them in blocks, as the elastic driver does. Its remote
+by :func:`host_names`, and ranks placed on them in blocks, as the elastic driver does. Its remote
 shell is :mod:`gradsync.ray.rsh`: the launcher's proxy for a node (Hydra's ``hydra_pmi_proxy``,
 Open MPI's ``prted``) is started through Ray inside an actor on that node, and the proxy starts
 :mod:`gradsync.ray.stub` for each rank there, which hands its launch identity to the actor prepared
@@ -44,15 +44,22 @@ PROXY_POLL_S = 0.5
 STOP_GRACE_S = 10.0
 
 
-def host_name(node_id: str) -> str:
-    """The host name the launcher is given for the Ray node ``node_id`` (hex): distinct per node
-    even where several Ray nodes share a machine and its host name."""
-    return f"ray-{node_id[:16]}"
+def host_names(nodes: Sequence[str], hostnames: Sequence[str]) -> tuple[dict[str, str], bool]:
+    """The host name the launcher is given for each Ray node (node id -> name), from the node and
+    the host name of each worker, and whether those names are made up.
+
+    Each node's own host name where the nodes' host names are distinct (a cluster of machines);
+    otherwise (several Ray nodes on one machine) ``ray-`` and the node id's first 16 hex digits.
+    """
+    names = dict(zip(nodes, hostnames))
+    if len(set(names.values())) == len(names):
+        return names, False
+    return {node: f"ray-{node[:16]}" for node in names}, True
 
 
-def block_ranks(nodes: Sequence[str]) -> tuple[list[int], dict[str, int]]:
+def block_ranks(nodes: Sequence[str], names: dict[str, str]) -> tuple[list[int], dict[str, int]]:
     """The rank of each worker, given the Ray node of each (``nodes[i]``), and the launcher's
-    hosts (host name -> ranks on it, in rank order).
+    hosts (host name -> ranks on it, in rank order); ``names`` maps nodes to host names.
 
     The launcher places ranks in blocks (the first host's slots first: :func:`gradsync.run.hosts.place`);
     hosts come in the order their first worker appears, and the workers of one node take its ranks in
@@ -64,21 +71,35 @@ def block_ranks(nodes: Sequence[str]) -> tuple[list[int], dict[str, int]]:
     ranks = [0] * len(nodes)
     for number, index in enumerate(i for members in by_node.values() for i in members):
         ranks[index] = number
-    slots = {host_name(node): len(members) for node, members in by_node.items()}
+    slots = {names[node]: len(members) for node, members in by_node.items()}
     return ranks, place(slots, len(nodes))
+
+
+def _may_unshare(hosts: dict[str, int]) -> bool:
+    """Whether Open MPI's proxies can run in UTS namespaces of their own here (root and
+    ``unshare``); raises the reason when they cannot. Open MPI's daemons must report distinct
+    host names (PRRTE tells nodes apart by them), which Ray nodes on one machine do not."""
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        return True
+    raise GradsyncError(f"gradsync.ray: the Ray nodes of this job share a host name, and Open MPI "
+                        f"needs a distinct one per node ({len(hosts)} nodes); run as root with "
+                        "`unshare` on PATH (each node's proxy then gets a UTS namespace of its own, "
+                        "named after its node), or use MPICH (pip install gradsync[mpi])")
 
 
 class MpiJob:
     """One MPI job over Ray actors, from :meth:`start` to :meth:`finalize` and :meth:`close`.
 
-    ``call`` reaches the actors (see the module doc); ``nodes[i]`` is the Ray node id of actor i.
+    ``call`` reaches the actors (see the module doc); ``nodes[i]`` is the Ray node id of actor i
+    and ``hostnames[i]`` the host name of its machine.
     After :meth:`start`, ``ranks[i]`` is the MPI rank of actor i.
     """
 
-    def __init__(self, call: Call, nodes: Sequence[str]) -> None:
+    def __init__(self, call: Call, nodes: Sequence[str], hostnames: Sequence[str]) -> None:
         self.call = call
         self.nodes = list(nodes)
-        self.ranks, self.hosts = block_ranks(self.nodes)
+        names, self.made_up_names = host_names(self.nodes, hostnames)
+        self.ranks, self.hosts = block_ranks(self.nodes, names)
         self.token = secrets.token_hex(8)
         self.authkey = secrets.token_bytes(32)
         self.workdir = channel.private_dir("gradsync-ray-launcher-")
@@ -87,7 +108,8 @@ class MpiJob:
         self._lock = threading.Condition()
         self._stopping = False
         self._relay = channel.listen(str(self.workdir / "relay"), self.authkey)
-        self._first_on_host = {host_name(node): self.nodes.index(node) for node in self.nodes}
+        self._first_on_host = {names[node]: self.nodes.index(node) for node in self.nodes}
+        self._own_uts = False  # start each proxy in a UTS namespace named after its host
 
     # ---- starting ------------------------------------------------------------------------------
 
@@ -127,6 +149,7 @@ class MpiJob:
         env = dict(os.environ, **{channel.RELAY_ENV: str(self.workdir / "relay"),
                                   channel.AUTHKEY_ENV: self.authkey.hex()})
         if flavour(mpiexec) == "openmpi":
+            self._own_uts = self.made_up_names and _may_unshare(self.hosts)
             forwarded = [arg for name in env if name.startswith(("GRADSYNC_", "HOROVOD_"))
                          for arg in ("-x", name)]
             argv = [mpiexec, "-n", size, "--host", hosts, "--prtemca", "plm_ssh_agent", str(rsh),
@@ -178,7 +201,7 @@ class MpiJob:
         try:
             host, command = conn.recv()
             index = self._first_on_host[host]
-            pid = ray.get(self.call(index, rank.start_proxy, command))
+            pid = ray.get(self.call(index, rank.start_proxy, command, host if self._own_uts else None))
             with self._lock:
                 self.proxies_started += 1
                 self._lock.notify_all()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -110,10 +111,15 @@ def prepare(session: str, rank: int, authkey: bytes) -> dict[str, Any]:
             "pid": os.getpid()}
 
 
-def start_proxy(command: str) -> int:
+def start_proxy(command: str, own_uts: str | None = None) -> int:
     """Start the launcher's ``command`` (a shell command line, as ssh runs it) on this node; the
-    process is killed when this actor's process ends. Returns its pid."""
-    proxy = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.DEVNULL,
+    process is killed when this actor's process ends. Returns its pid. With ``own_uts``, in a UTS
+    namespace of its own whose host name is ``own_uts`` (root only: Open MPI's proxies of Ray
+    nodes that share a machine, :func:`gradsync.ray.job._may_unshare`)."""
+    argv = ["/bin/sh", "-c", command]
+    if own_uts:
+        argv = ["unshare", "--uts", "/bin/sh", "-c", f"hostname {shlex.quote(own_uts)} && {command}"]
+    proxy = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                              start_new_session=True, preexec_fn=_die_with_parent)
     _current().proxies[proxy.pid] = proxy
     return proxy.pid

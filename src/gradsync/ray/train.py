@@ -61,9 +61,11 @@ class _GradsyncBackend(Backend):
         self._jobs: dict[int, job.MpiJob] = {}  # by worker group: one Backend serves them all
 
     def on_start(self, worker_group: Any, backend_config: GradsyncConfig) -> None:
-        nodes = [worker.metadata.node_id for worker in _workers(worker_group)]
-        mpi_job = job.MpiJob(lambda i, fn, *args: worker_group.execute_single_async(i, fn, *args), nodes)
-        if mpi_job.ranks != list(range(len(nodes))):
+        workers = _workers(worker_group)
+        mpi_job = job.MpiJob(lambda i, fn, *args: worker_group.execute_single_async(i, fn, *args),
+                             [worker.metadata.node_id for worker in workers],
+                             [worker.metadata.hostname for worker in workers])
+        if mpi_job.ranks != list(range(len(workers))):
             log.warning("gradsync.ray: Ray Train's workers are not listed node by node; gradsync's "
                         "ranks %s differ from Ray Train's world ranks", mpi_job.ranks)
         mpi_job.start(backend_config.timeout_s)
