@@ -98,11 +98,12 @@ def test_ranks_are_numbered_node_by_node_in_order_of_first_appearance():
     assert hosts == {"hostB": 2, "hostA": 1}
 
 
-def test_the_launcher_gets_the_nodes_host_names_unless_nodes_share_one():
-    assert gradsync.ray.job.host_names(["a" * 20, "b" * 20, "a" * 20], ["m1", "m2", "m1"]) == (
+def test_open_mpi_gets_the_nodes_host_names_unless_nodes_share_one_and_hydra_made_up_ones():
+    nodes, made_up = ["a" * 20, "b" * 20, "a" * 20], {"a" * 20: "ray-" + "a" * 16, "b" * 20: "ray-" + "b" * 16}
+    assert gradsync.ray.job.host_names(nodes, ["m1", "m2", "m1"], "openmpi") == (
         {"a" * 20: "m1", "b" * 20: "m2"}, False)
-    assert gradsync.ray.job.host_names(["a" * 20, "b" * 20], ["vm", "vm"]) == (
-        {"a" * 20: "ray-" + "a" * 16, "b" * 20: "ray-" + "b" * 16}, True)
+    assert gradsync.ray.job.host_names(nodes, ["vm", "vm", "vm"], "openmpi") == (made_up, True)
+    assert gradsync.ray.job.host_names(nodes, ["m1", "m2", "m1"], "mpich") == (made_up, True)
 
 
 def test_the_stub_hands_over_launch_variables_and_settings_but_not_the_channel():

@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,15 +45,18 @@ PROXY_POLL_S = 0.5
 STOP_GRACE_S = 10.0
 
 
-def host_names(nodes: Sequence[str], hostnames: Sequence[str]) -> tuple[dict[str, str], bool]:
+def host_names(nodes: Sequence[str], hostnames: Sequence[str], kind: str) -> tuple[dict[str, str], bool]:
     """The host name the launcher is given for each Ray node (node id -> name), from the node and
-    the host name of each worker, and whether those names are made up.
+    the host name of each worker and the launcher's ``kind`` (:func:`gradsync.run.launcher.flavour`),
+    and whether those names are made up.
 
-    Each node's own host name where the nodes' host names are distinct (a cluster of machines);
-    otherwise (several Ray nodes on one machine) ``ray-`` and the node id's first 16 hex digits.
+    Made up, ``ray-`` and the node id's first 16 hex digits, for Hydra (``"mpich"``), which starts
+    every host's proxy through the remote shell, so in its actor, only when no host is its own;
+    and wherever several Ray nodes share a host name (Ray nodes on one machine). Otherwise (Open
+    MPI on machines of distinct names) each node's own host name: PRRTE's daemons report theirs.
     """
     names = dict(zip(nodes, hostnames))
-    if len(set(names.values())) == len(names):
+    if kind == "openmpi" and len(set(names.values())) == len(names):
         return names, False
     return {node: f"ray-{node[:16]}" for node in names}, True
 
@@ -98,8 +102,14 @@ class MpiJob:
     def __init__(self, call: Call, nodes: Sequence[str], hostnames: Sequence[str]) -> None:
         self.call = call
         self.nodes = list(nodes)
-        names, self.made_up_names = host_names(self.nodes, hostnames)
+        self.mpiexec = find_mpiexec(None)
+        self.kind = flavour(self.mpiexec)
+        names, self.made_up_names = host_names(self.nodes, hostnames, self.kind)
         self.ranks, self.hosts = block_ranks(self.nodes, names)
+        # The launcher starts the ranks of its own host itself, without the remote shell (PRRTE
+        # does, under a real host name): no proxy is awaited there; its stubs find their actors.
+        self.remote_hosts = [host for host in self.hosts
+                             if self.made_up_names or host != socket.gethostname()]
         self.token = secrets.token_hex(8)
         self.authkey = secrets.token_bytes(32)
         self.workdir = channel.private_dir("gradsync-ray-launcher-")
@@ -139,7 +149,7 @@ class MpiJob:
         log.debug("gradsync.ray: job %s started: %s", self.token, joined)
 
     def _launch(self) -> subprocess.Popen:
-        mpiexec = find_mpiexec(None)
+        mpiexec = self.mpiexec
         rsh = self.workdir / "rsh"
         rsh.write_text(f"#!/bin/sh\nexec '{sys.executable}' -m gradsync.ray.rsh \"$@\"\n")
         rsh.chmod(0o700)
@@ -148,7 +158,7 @@ class MpiJob:
         size = str(len(self.nodes))
         env = dict(os.environ, **{channel.RELAY_ENV: str(self.workdir / "relay"),
                                   channel.AUTHKEY_ENV: self.authkey.hex()})
-        if flavour(mpiexec) == "openmpi":
+        if self.kind == "openmpi":
             self._own_uts = self.made_up_names and _may_unshare(self.hosts)
             forwarded = [arg for name in env if name.startswith(("GRADSYNC_", "HOROVOD_"))
                          for arg in ("-x", name)]
@@ -165,14 +175,15 @@ class MpiJob:
 
     def _await_proxies(self, deadline: float) -> None:
         with self._lock:
-            while self.proxies_started < len(self.hosts):
+            while self.proxies_started < len(self.remote_hosts):
                 if self.launcher.poll() is not None:
                     raise GradsyncError(f"gradsync.ray: the MPI launcher exited with "
                                         f"{self.launcher.returncode} before starting every rank"
                                         f"{self._launcher_output()}")
                 if time.monotonic() > deadline:
                     raise GradsyncError(f"gradsync.ray: the MPI launcher started {self.proxies_started} "
-                                        f"of {len(self.hosts)} node proxies in time{self._launcher_output()}")
+                                        f"of {len(self.remote_hosts)} node proxies in time"
+                                        f"{self._launcher_output()}")
                 self._lock.wait(0.2)
 
     def _launcher_output(self) -> str:
