@@ -37,9 +37,15 @@ def session_path(token: str) -> Path:
 
 
 def session_dir(token: str) -> Path:
-    """:func:`session_path`, created with mode 0700 where it does not exist yet."""
+    """:func:`session_path`, created with mode 0700 where it does not exist yet.
+
+    Raises:
+        PermissionError: the directory exists and belongs to another user.
+    """
     path = session_path(token)
     path.mkdir(mode=0o700, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise PermissionError(f"gradsync.ray: {path} belongs to another user")
     os.chmod(path, 0o700)
     return path
 

@@ -141,11 +141,13 @@ class MpiJob:
             joined = ray.get([self.call(i, rank.join, left) for i in range(len(self.nodes))],
                              timeout=left + 5)
         except Exception as error:
-            self.close(wait=0)
-            if isinstance(error, GradsyncError):
+            failure = error if isinstance(error, GradsyncError) else GradsyncError(
+                f"gradsync.ray: starting the MPI job of {len(self.nodes)} ranks failed: {error}"
+                f"{self._launcher_output()}")
+            self.close(wait=0)  # which removes the launcher's output: quoted above
+            if failure is error:
                 raise
-            raise GradsyncError(f"gradsync.ray: starting the MPI job of {len(self.nodes)} ranks "
-                                f"failed: {error}{self._launcher_output()}") from error
+            raise failure from error
         log.debug("gradsync.ray: job %s started: %s", self.token, joined)
 
     def _launch(self) -> subprocess.Popen:

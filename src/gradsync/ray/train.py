@@ -28,10 +28,11 @@ class GradsyncConfig(BackendConfig):
 
     Args:
         timeout_s: seconds to start the MPI job over the workers (``GradsyncError`` past it).
-        nics, verbose, key, ssh_port, ssh_identity_file, ssh_str, placement_group_timeout_s: the
-            other fields of Ray's ``HorovodConfig``, accepted so that its callers run unchanged;
-            unused (no ssh: the launcher reaches the nodes through Ray; MPI picks the network;
-            Ray Train places the workers).
+
+    The other fields (``nics``, ``verbose``, ``key``, ``ssh_port``, ``ssh_identity_file``,
+    ``ssh_str``, ``placement_group_timeout_s``) are those of Ray's ``HorovodConfig``, accepted so
+    that its callers run unchanged, and unused: no ssh (the launcher reaches the nodes through
+    Ray), MPI picks the network, Ray Train places the workers.
     """
 
     timeout_s: int = 300
