@@ -48,6 +48,10 @@ def cluster():
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     ray.shutdown()
     nodes.shutdown()
+    # Ray leaves the address of the cluster it started here, for a later ray.init() to join: gone.
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    if current.exists() and current.read_text().strip() == nodes.address:
+        current.unlink()
 
 
 def start(count: int = 2, env: dict[str, str] | None = None, **options) -> RayExecutor:
