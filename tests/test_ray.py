@@ -236,6 +236,21 @@ def test_more_workers_than_the_cluster_can_place_fail_within_the_timeout(cluster
         group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
 
 
+@pytest.mark.timeout(120)
+def test_a_launcher_that_fails_is_quoted_and_nothing_is_left(cluster, tmp_path, monkeypatch):
+    launcher = tmp_path / "mpiexec"
+    launcher.write_text("#!/bin/sh\necho \"no such host: $*\" >&2\nexit 3\n")
+    launcher.chmod(0o755)
+    monkeypatch.setattr(gradsync.ray.job, "find_mpiexec", lambda explicit: str(launcher))
+    directories = set(Path(tempfile.gettempdir()).glob("gradsync-ray-launcher-*"))
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    with pytest.raises(GradsyncError, match=r"(?s)launcher exited with 3 .*no such host: "):
+        executor.start()
+    assert executor.workers == [] and executor._group is None
+    left = set(Path(tempfile.gettempdir()).glob("gradsync-ray-launcher-*")) - directories
+    assert not left, f"the launcher's directory is left: {left}"
+
+
 def fail_on_rank_one() -> int:
     import gradsync
 
