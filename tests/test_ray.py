@@ -242,13 +242,13 @@ def test_a_launcher_that_fails_is_quoted_and_nothing_is_left(cluster, tmp_path, 
     launcher.write_text("#!/bin/sh\necho \"no such host: $*\" >&2\nexit 3\n")
     launcher.chmod(0o755)
     monkeypatch.setattr(gradsync.ray.job, "find_mpiexec", lambda explicit: str(launcher))
-    directories = set(Path(tempfile.gettempdir()).glob("gradsync-ray-launcher-*"))
+    directories = set(Path(tempfile.gettempdir()).glob("gradsync-ray-*"))
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
     with pytest.raises(GradsyncError, match=r"(?s)launcher exited with 3 .*no such host: "):
         executor.start()
     assert executor.workers == [] and executor._group is None
-    left = set(Path(tempfile.gettempdir()).glob("gradsync-ray-launcher-*")) - directories
-    assert not left, f"the launcher's directory is left: {left}"
+    left = set(Path(tempfile.gettempdir()).glob("gradsync-ray-*")) - directories
+    assert not left, f"the job's directories are left: {left}"
 
 
 def fail_on_rank_one() -> int:

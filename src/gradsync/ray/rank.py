@@ -65,12 +65,16 @@ class Agent:
             self.stub = conn
             self.handed = {"launch": launch_env, "settings": settings, "fd": fd}
         finally:
-            self.listener.close()  # which removes the socket file
-            try:
-                self.session.rmdir()  # the last rank of this node to be handed over removes it
-            except OSError:
-                pass
+            self.release()
             self.arrived.set()
+
+    def release(self) -> None:
+        """Stop listening: the socket file goes, and the session directory with the last one."""
+        self.listener.close()  # which removes the socket file; again is harmless
+        try:
+            self.session.rmdir()
+        except OSError:  # another rank's socket is still there: that rank removes it
+            pass
 
     def adopt(self) -> None:
         """Make the handed-over launch identity this process's, before ``MPI_Init``."""
@@ -155,7 +159,7 @@ def join(timeout: float) -> dict[str, int]:
     """
     agent = _current()
     if not agent.arrived.wait(timeout) or "error" in agent.handed:
-        agent.listener.close()
+        agent.release()
         why = agent.handed.get("error", "no hand-over")
         raise GradsyncError(f"gradsync.ray: rank {agent.rank}: the MPI launcher did not start this "
                             f"rank's process within {timeout:.0f} s ({why})")
@@ -174,6 +178,7 @@ def finish() -> None:
     import gradsync
 
     agent = _current()
+    agent.release()  # a job that never started leaves no socket behind
     if gradsync.is_initialized():
         gradsync.shutdown()
     MPI = launch.import_mpi()
