@@ -37,6 +37,9 @@ pass cannot succeed by skipping.
 Tests that need TensorFlow carry ``@pytest.mark.tensorflow`` and skip the same way where it is not
 installed; ``GRADSYNC_TEST_REQUIRE_TENSORFLOW=1`` stops the session at once if it cannot be imported
 (for a CI pass that runs ``-m tensorflow`` in a venv with TensorFlow and without torch).
+
+Tests that need Ray (tests/test_ray.py) carry ``@pytest.mark.ray`` and skip the same way;
+``GRADSYNC_TEST_REQUIRE_RAY=1`` (.ci/run's Ray pass) stops the session if Ray cannot be imported.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ KERAS_INSTALLED = importlib.util.find_spec("keras") is not None
 NO_KERAS_REASON = "needs Keras 3, which is not installed (pip install gradsync[keras])"
 TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
 NO_TENSORFLOW_REASON = "needs TensorFlow, which is not installed (pip install gradsync[tensorflow])"
+RAY_INSTALLED = importlib.util.find_spec("ray") is not None
+NO_RAY_REASON = "needs Ray, which is not installed (pip install gradsync[ray])"
 PARALLEL = Path(__file__).parent / "parallel"
 # Set by mpiexec (Hydra, Open MPI) and srun --mpi=pmi2|pmix in every process they start.
 _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -102,6 +107,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("GRADSYNC_TEST_REQUIRE_TENSORFLOW") == "1" and not TENSORFLOW_INSTALLED:
         pytest.exit("GRADSYNC_TEST_REQUIRE_TENSORFLOW=1, but the tests marked tensorflow would skip: "
                     f"{NO_TENSORFLOW_REASON}", returncode=4)
+    if os.environ.get("GRADSYNC_TEST_REQUIRE_RAY") == "1" and not RAY_INSTALLED:
+        pytest.exit(f"GRADSYNC_TEST_REQUIRE_RAY=1, but the tests marked ray would skip: {NO_RAY_REASON}",
+                    returncode=4)
     config.stash[_SKIPPED_FOR_TORCH] = []
 
 
@@ -115,7 +123,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                       ("jax", JAX_INSTALLED, NO_JAX_REASON),
                                       ("lightning", LIGHTNING_INSTALLED, NO_LIGHTNING_REASON),
                                       ("keras", KERAS_INSTALLED, NO_KERAS_REASON),
-                                      ("tensorflow", TENSORFLOW_INSTALLED, NO_TENSORFLOW_REASON)):
+                                      ("tensorflow", TENSORFLOW_INSTALLED, NO_TENSORFLOW_REASON),
+                                      ("ray", RAY_INSTALLED, NO_RAY_REASON)):
         if installed:
             continue
         skip = pytest.mark.skip(reason=reason)
