@@ -95,6 +95,22 @@ def environment(ranks: int, environ: dict[str, str] | None = None) -> dict[str, 
     return info
 
 
+#: The label suffix of the rows that run another version's gradsync (``--baseline-src``).
+BASELINE = "baseline"
+BASELINE_HELP = ("--compare: add the gradsync rows again with the gradsync package of this directory "
+                 "(another version's src/, e.g. `git archive main src | tar -x -C /tmp/main`, then "
+                 "/tmp/main/src) first on PYTHONPATH: before and after, interleaved in one run")
+
+
+def with_baseline(env: dict[str, str], label: str, src: str | None) -> dict[str, str]:
+    """``env`` for the launch of the row ``label``: with ``src`` first on ``PYTHONPATH`` if the
+    row is a baseline row (:data:`BASELINE` in its label)."""
+    if not src or BASELINE not in label:
+        return env
+    path = os.path.abspath(src)
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p))
+
+
 def print_step_medians(step: Callable[[], object], steps: int, warmup: int, rank: int) -> None:
     """Run ``step()`` ``warmup + steps`` times; on rank 0 print the medians of the timed steps'
     wall and CPU time (all the process's threads) as ``median_step_us=<us> median_cpu_us=<us>``,
@@ -111,11 +127,14 @@ def print_step_medians(step: Callable[[], object], steps: int, warmup: int, rank
               f"median_cpu_us={statistics.median(cpu) * 1e6:.1f}", flush=True)
 
 
-def launch_measured(cmd: list[str], processes: int, env: dict[str, str]) -> tuple[float, float]:
+def launch_measured(cmd: list[str], processes: int, env: dict[str, str],
+                    breakdown: dict[str, float] | None = None) -> tuple[float, float]:
     """Run ``cmd``, a step benchmark that prints ``median_step_us=<us> median_cpu_us=<us>``
     (rank 0 of an MPI job): under ``mpiexec -n processes`` when ``processes > 1``, as
     ``-processes`` independent copies at once when ``processes < 0`` (the floor). Returns the two
-    medians, the copies' means. Exits with the output of a launch that printed no figures."""
+    medians, the copies' means. Exits with the output of a launch that printed no figures.
+    ``breakdown``, if given, receives the fields of a ``breakdown_us part=<us> ...`` line
+    (benchmarks/breakdown.py) when the launch printed one."""
     if processes > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(processes), *cmd]
     runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -127,6 +146,9 @@ def launch_measured(cmd: list[str], processes: int, env: dict[str, str]) -> tupl
         if not line:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{out}\n{err[-4000:]}")
         values.append([float(field.split("=")[1]) for field in line[0].split()])
+        parts = [x for x in out.splitlines() if x.startswith("breakdown_us ")]
+        if breakdown is not None and parts:
+            breakdown.update((k, float(v)) for k, v in (f.split("=") for f in parts[0].split()[1:]))
     return sum(v[0] for v in values) / len(values), sum(v[1] for v in values) / len(values)
 
 

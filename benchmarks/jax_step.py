@@ -27,6 +27,10 @@ leaf inside the jitted step and divides by the number of ranks; ``gloo`` runs th
 the same time: the cores share memory bandwidth, so that, not one process alone, is the best an
 N-rank step can do on one machine. The row "MPI_Allreduce only" is gradsync with its shared-memory
 allreduce off (``GRADSYNC_SHARED_MEMORY_BYTES=0``, docs/configuration.md#shared-memory-allreduce).
+``--baseline-src DIR`` adds the in-jit gradsync rows again with the gradsync package of ``DIR``
+(another version's ``src``) first on ``PYTHONPATH``: before and after, interleaved in one run. Each
+gradsync launch also prints where its step's time goes (benchmarks/breakdown.py), summed up in a
+second table.
 Prints the median step time in microseconds.
 """
 
@@ -186,7 +190,13 @@ def setup(mode: str, update: str, sizes, batch: int):
 def measure(mode: str, update: str, model: str, steps: int, warmup: int, batch: int) -> None:
     import jax
 
+    sys.path.insert(0, HERE)
+    import benchenv
+    import breakdown
+
     sizes = MODELS[model][0]
+    if mode == "gradsync":  # before the step is traced
+        breakdown.install("jax")
     step, params, state, x, y, rank = setup(mode, update, sizes, batch)
 
     def one_step() -> None:
@@ -194,14 +204,14 @@ def measure(mode: str, update: str, model: str, steps: int, warmup: int, batch: 
         params, state = step(params, state, x, y)
         jax.block_until_ready(params)
 
-    sys.path.insert(0, HERE)
-    import benchenv
+    benchenv.print_step_medians(breakdown.per_step(one_step), steps, warmup, rank)
+    if mode == "gradsync" and rank == 0:
+        print(breakdown.line(steps), flush=True)
 
-    benchenv.print_step_medians(one_step, steps, warmup, rank)
 
-
-def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
-    """(label, mode, update, processes, what it is compared with); mpi4jax only if installed."""
+def configs(ranks: int, baseline: bool = False) -> list[tuple[str, str, str, int, str]]:
+    """(label, mode, update, processes, what it is compared with); mpi4jax only if installed; with
+    ``baseline``, the in-jit gradsync rows again with the baseline's gradsync (``--baseline-src``)."""
     rows = [("one process alone", "single", "jit", 1, ""),
             (f"{ranks} single processes at once (floor)", "single", "jit", -ranks, ""),
             ("gradsync, in jit, 1 rank", "gradsync", "jit", 1, "alone"),
@@ -210,6 +220,13 @@ def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
             ("gradsync, update on host, 1 rank", "gradsync", "host", 1, "alone"),
             (f"gradsync, update on host, {ranks} ranks", "gradsync", "host", ranks, "floor"),
             (f"jax.distributed gloo pmean, {ranks} ranks", "gloo", "jit", ranks, "floor")]
+    if baseline:
+        sys.path.insert(0, HERE)
+        import benchenv
+
+        rows[3:3] = [(f"gradsync, in jit, 1 rank, {benchenv.BASELINE}", "gradsync", "jit", 1, "alone"),
+                     (f"gradsync, in jit, {ranks} ranks, {benchenv.BASELINE}", "gradsync", "jit", ranks,
+                      "floor")]
     try:
         import mpi4jax  # noqa: F401
     except ImportError:
@@ -219,30 +236,39 @@ def configs(ranks: int) -> list[tuple[str, str, str, int, str]]:
     return rows
 
 
-def launch(mode: str, update: str, processes: int, args, env: dict) -> tuple[float, float]:
+def launch(mode: str, update: str, processes: int, args, env: dict,
+           parts: dict[str, float] | None = None) -> tuple[float, float]:
     """The median step and its CPU time (us, rank 0's process, all its threads) of one
-    configuration; ``processes < 0``: that many single processes at once, their means."""
+    configuration; ``processes < 0``: that many single processes at once, their means. ``parts``
+    receives gradsync's per-step breakdown (benchmarks/breakdown.py)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--update", update, "--model",
            args.model, "--steps", str(args.steps), "--batch", str(args.batch)]
     sys.path.insert(0, HERE)
     import benchenv
 
-    return benchenv.launch_measured(cmd, processes, env)
+    return benchenv.launch_measured(cmd, processes, env, parts)
 
 
 def compare(args) -> None:
     """Launch every configuration ``args.repeats`` times, interleaved; print a table of medians."""
     env = dict(os.environ, OMP_NUM_THREADS="1", XLA_FLAGS=XLA_ONE_THREAD)
-    rows = configs(args.ranks)
+    rows = configs(args.ranks, bool(args.baseline_src))
+    sys.path.insert(0, HERE)
+    import benchenv
     results: dict[str, list[float]] = {label: [] for label, *_ in rows}
     cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    parts: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in rows}
     for repeat in range(args.repeats):
         for label, mode, update, processes, _ in rows:
             env["GLOO_PORT"] = str(12734 + repeat)
             launch_env = dict(env, GRADSYNC_SHARED_MEMORY_BYTES="0") if MPI_ONLY in label else env
-            step, step_cpu = launch(mode, update, processes, args, launch_env)
+            launch_env = benchenv.with_baseline(launch_env, label, args.baseline_src)
+            launch_parts: dict[str, float] = {}
+            step, step_cpu = launch(mode, update, processes, args, launch_env, launch_parts)
             results[label].append(step)
             cpu[label].append(step_cpu)
+            if launch_parts:
+                parts[label].append(launch_parts)
     print(f"\n{args.model} MLP, batch {args.batch} per rank, XLA on one thread per process, median of "
           f"{args.repeats} launches x {args.steps} steps; load average {os.getloadavg()[0]:.1f}")
     print(f"{'configuration':48s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   "
@@ -259,12 +285,25 @@ def compare(args) -> None:
         print(f"{label:48s} {row['step_ms']:8.2f} {row['step_ratio']:>12s} {row['cpu_ms']:7.2f} "
               f"{row['cpu_ratio']:>12s}   {row['launches']}")
         table.append(row)
+    base = {"alone": rows[0][0], "floor": rows[1][0]}
+    sys.path.insert(0, HERE)
+    import breakdown
+
+    breakdown.table([(label, results[label], results[base[against]], parts[label])
+                     for label, mode, *_, against in rows if mode == "gradsync"])
     if args.csv:
         sys.path.insert(0, HERE)
         import benchenv
 
         benchenv.write_csv(args.csv, table, benchenv.environment(args.ranks, env))
         print(f"# wrote {args.csv}")
+
+
+def benchenv_help() -> str:
+    sys.path.insert(0, HERE)
+    import benchenv
+
+    return benchenv.BASELINE_HELP
 
 
 def main() -> None:
@@ -279,6 +318,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--csv", type=str, default=None, help="--compare: also write the table here")
+    parser.add_argument("--baseline-src", type=str, default=None, help=benchenv_help())
     args = parser.parse_args()
     args.batch = args.batch or MODELS[args.model][1]
     args.steps = args.steps or (2000 if args.model == "digits" else 100)

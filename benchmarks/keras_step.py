@@ -25,7 +25,11 @@ initial variables); ``mwms`` builds and compiles the model in
 (``TF_CONFIG`` made from the launcher's rank, ports from ``--port``), its CPU collectives on the
 ring (gRPC) implementation; each worker trains on its own batch of ``--batch``. The floor is
 ``--ranks`` single processes started at the same time: they share the cores' memory bandwidth, so
-that, not one process alone, is the best an N-rank step can do on one machine. Prints the median
+that, not one process alone, is the best an N-rank step can do on one machine. ``--baseline-src
+DIR`` adds each gradsync row again with the gradsync package of ``DIR`` (another version's
+``src``) first on ``PYTHONPATH``: a before/after comparison interleaved in one run. Each gradsync
+launch also prints where its step's time goes (benchmarks/breakdown.py), summed up in a second
+table. Prints the median
 step time and its CPU time (all threads of the process) in microseconds.
 """
 
@@ -40,6 +44,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import benchenv  # noqa: E402
+import breakdown  # noqa: E402
 from jax_step import XLA_ONE_THREAD, launcher_rank  # noqa: E402
 
 SIZES = (784, 1024, 1024, 10)
@@ -126,6 +131,8 @@ def measure(mode: str, steps: int, warmup: int, batch: int) -> None:
 
     backend = os.environ.get("KERAS_BACKEND", "tensorflow")
     one_thread(backend)
+    if mode == "gradsync":  # before the train step is traced
+        breakdown.install(backend)
     model, rank = build(mode)
     rng = np.random.default_rng(rank)
     x = rng.random((batch, SIZES[0]), dtype=np.float32)
@@ -135,45 +142,62 @@ def measure(mode: str, steps: int, warmup: int, batch: int) -> None:
 
         model.train_on_batch(x, y)  # builds the optimizer's variables, then everyone starts from rank 0's
         hvd.broadcast_variables(model.variables + model.optimizer.variables, root_rank=0)
-    benchenv.print_step_medians(lambda: model.train_on_batch(x, y), steps, warmup, rank)
+    benchenv.print_step_medians(breakdown.per_step(lambda: model.train_on_batch(x, y)), steps, warmup,
+                                rank)
+    if mode == "gradsync" and rank == 0:
+        print(breakdown.line(steps), flush=True)
 
 
-def configs(backends: list[str], ranks: int) -> list[tuple[str, str, str, int, str]]:
-    """(label, backend, mode, processes, what it is compared with) for every backend."""
+def configs(backends: list[str], ranks: int, baseline: bool = False) -> list[tuple[str, str, str, int, str]]:
+    """(label, backend, mode, processes, what it is compared with) for every backend; with
+    ``baseline``, the gradsync row again with the baseline's gradsync (``--baseline-src``)."""
     rows = []
     for backend in backends:
         rows += [(f"{backend}: one process alone", backend, "single", 1, ""),
                  (f"{backend}: {ranks} single processes (floor)", backend, "single", -ranks, "alone"),
                  (f"{backend}: gradsync, {ranks} ranks", backend, "gradsync", ranks, "floor")]
+        if baseline:
+            rows.append((f"{backend}: gradsync, {ranks} ranks, {benchenv.BASELINE}", backend, "gradsync",
+                         ranks, "floor"))
         if backend == "tensorflow":
             rows.append((f"{backend}: MultiWorkerMirrored, {ranks} workers", backend, "mwms", ranks, "floor"))
     return rows
 
 
-def launch(backend: str, mode: str, processes: int, args, env: dict) -> tuple[float, float]:
+def launch(backend: str, mode: str, processes: int, args, env: dict,
+           parts: dict[str, float] | None = None) -> tuple[float, float]:
     """The median step and its CPU time (us) of one configuration (rank 0's; with
-    ``processes < 0``, that many single processes at once, their mean)."""
+    ``processes < 0``, that many single processes at once, their mean); ``parts`` receives
+    gradsync's per-step breakdown (benchmarks/breakdown.py)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch)]
-    return benchenv.launch_measured(cmd, processes, dict(env, KERAS_BACKEND=backend))
+    return benchenv.launch_measured(cmd, processes, dict(env, KERAS_BACKEND=backend), parts)
 
 
 def compare(args) -> None:
     """Launch every configuration ``args.repeats`` times, interleaved; print a table of medians."""
     env = dict(os.environ, OMP_NUM_THREADS="1", XLA_FLAGS=XLA_ONE_THREAD, TF_CPP_MIN_LOG_LEVEL="3")
-    rows = configs(args.backends.split(","), args.ranks)
+    rows = configs(args.backends.split(","), args.ranks, bool(args.baseline_src))
     results: dict[str, list[float]] = {label: [] for label, *_ in rows}
     cpu: dict[str, list[float]] = {label: [] for label, *_ in rows}
+    parts: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in rows}
     for repeat in range(args.repeats):
         for label, backend, mode, processes, _ in rows:
             env["KERAS_STEP_PORT"] = str(args.port + 10 * repeat)
-            step, step_cpu = launch(backend, mode, processes, args, env)
+            launch_parts: dict[str, float] = {}
+            launch_env = benchenv.with_baseline(env, label, args.baseline_src)
+            step, step_cpu = launch(backend, mode, processes, args, launch_env, launch_parts)
             results[label].append(step)
             cpu[label].append(step_cpu)
+            if launch_parts:
+                parts[label].append(launch_parts)
     print(f"\nKeras MLP {'-'.join(map(str, SIZES))}, batch {args.batch} per rank, one thread per process, "
           f"median of {args.repeats} launches x {args.steps} steps; load average {os.getloadavg()[0]:.1f}")
     print(f"{'configuration':42s} {'step ms':>8s} {'ratio':>12s} {'CPU ms':>7s} {'ratio':>12s}   each launch, ms")
     table = [row(label, backend, against, rows, results, cpu, args) for label, backend, *_, against in rows]
+    floors = {backend: label for label, backend, mode, processes, _ in rows if processes < 0}
+    breakdown.table([(label, results[label], results[floors[backend]], parts[label])
+                     for label, backend, mode, *_ in rows if mode == "gradsync"])
     if args.csv:
         benchenv.write_csv(args.csv, table, benchenv.environment(args.ranks, env))
         print(f"# wrote {args.csv}")
@@ -206,6 +230,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--port", type=int, default=23456, help="mwms: the first worker's port")
     parser.add_argument("--csv", type=str, default=None, help="--compare: also write the table here")
+    parser.add_argument("--baseline-src", type=str, default=None, help=benchenv.BASELINE_HELP)
     args = parser.parse_args()
     if args.compare:
         compare(args)

@@ -256,3 +256,16 @@ def test_a_grouped_allgather_unpacks_each_ranks_rows_of_each_member():
     assert plan.counts == (2 * 3 + 1, 1 * 3 + 4)
     assert [(c.member, c.offset, c.count, c.rows) for c in plan.unpacks] == [
         (0, 0, 6, (0, 2)), (1, 6, 1, (0, 1)), (0, 7, 3, (2, 3)), (1, 10, 4, (1, 5))]
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (3, 5), (1000,)])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "bool"])
+def test_numpy_results_start_on_64_bytes_so_frameworks_take_them_without_a_copy(shape, dtype):
+    """XLA's CPU client and TensorFlow's numpy_function take a host buffer in place only when it
+    is 64-byte aligned; numpy's own buffers are 16-byte aligned."""
+    from gradsync.arrays.dispatch import ALIGNMENT, NumpyAdapter
+
+    result = NumpyAdapter().empty(np.zeros(2, dtype), shape)
+    assert result.shape == shape and result.dtype == np.dtype(dtype) and result.flags.c_contiguous
+    assert result.flags.writeable
+    assert result.size == 0 or result.ctypes.data % ALIGNMENT == 0

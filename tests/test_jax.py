@@ -152,13 +152,36 @@ def test_inside_jit_an_allreduce_is_the_custom_call_not_a_host_callback():
     import gradsync.jax as gj
 
     gradsync.init()
-    try:
-        step = jax.jit(lambda t: gj.grouped_allreduce(t, name="hlo"))
-        tree = {"w": jnp.ones((3, 2)), "b": jnp.arange(3, dtype=jnp.int32)}
+    try:  # a scale factor: even one rank has something to do
+        step = jax.jit(lambda t: gj.grouped_allreduce(t, name="hlo", prescale_factor=2.0))
+        tree = {"w": jnp.ones((3, 2)), "b": jnp.arange(3, dtype=jnp.float32)}
         hlo = step.lower(tree).as_text()
         assert xla_ffi.TARGET in hlo and "callback" not in hlo
-        result = step(tree)  # one rank: the average is the input itself
-        np.testing.assert_array_equal(np.asarray(result["w"]), np.ones((3, 2), np.float32))
-        np.testing.assert_array_equal(np.asarray(result["b"]), np.arange(3, dtype=np.int32))
+        result = step(tree)
+        np.testing.assert_array_equal(np.asarray(result["w"]), np.full((3, 2), 2.0, np.float32))
+        np.testing.assert_array_equal(np.asarray(result["b"]), 2 * np.arange(3, dtype=np.float32))
+    finally:
+        gradsync.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "grouped_allreduce"])
+def test_at_one_rank_an_allreduce_inside_jit_leaves_the_program_as_it_is(kind):
+    """One rank, no scale factor: the reduction is the identity, so the jitted function compiles
+    to the same program as without it (no custom call, no callback, no copy)."""
+    import gradsync
+    import gradsync.jax as gj
+
+    gradsync.init()
+    try:
+        reduce = getattr(gj, kind)
+        plain = jax.jit(lambda t: jax.tree_util.tree_map(lambda a: a * 2, t))
+        step = jax.jit(lambda t: reduce(jax.tree_util.tree_map(lambda a: a * 2, t), name="one"))
+        tree = {"w": jnp.ones((3, 2)), "b": jnp.arange(3, dtype=jnp.int32)}
+        hlo = step.lower(tree).compile().as_text()
+        assert xla_ffi.TARGET not in hlo and "callback" not in hlo
+        assert hlo.count("fusion") == plain.lower(tree).compile().as_text().count("fusion")
+        result = step(tree)
+        np.testing.assert_array_equal(np.asarray(result["w"]), np.full((3, 2), 2.0, np.float32))
+        np.testing.assert_array_equal(np.asarray(result["b"]), 2 * np.arange(3, dtype=np.int32))
     finally:
         gradsync.shutdown()

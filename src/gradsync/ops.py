@@ -38,6 +38,7 @@ from .engine.submission import (
     submit_reduction,
 )
 from .engine.submission import blocking as blocking  # re-exported: the adapters use ops.blocking
+from .engine.submission import reduction_is_identity as reduction_is_identity  # the adapters
 from .engine.submission import refusing_join as refusing_join  # and ops.refusing_join
 from .handles import GroupHandle, Handle
 from .process import runtime

@@ -156,6 +156,54 @@ def test_allreduce_with_scale_factors(where):
     close(result, reference(every_rank((6,), np.float32), "Sum") * np.float32(1.5))
 
 
+@pytest.fixture(scope="module")
+def alone():
+    """A process set of this rank alone: at one rank the global set, else one set per rank, each
+    registered on every rank in the same order."""
+    if size() == 1:
+        yield gradsync.global_process_set
+        return
+    sets = [gradsync.add_process_set([r]) for r in range(size())]
+    yield sets[gradsync.rank()]
+    for one in sets:
+        gradsync.remove_process_set(one)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize(("dtype", "op"), CASES)
+def test_an_allreduce_over_one_rank_is_its_input_bit_for_bit(alone, where, dtype, op):
+    """Every op of one rank is the identity: inside jit the program holds no call at all, outside
+    it the result is a new array of the same values."""
+    dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    mine = jnp.asarray(rank_data(gradsync.rank(), (3, 5), dtype))
+    reduce = lambda x: gj.allreduce(x, op=getattr(gradsync, op), process_set=alone)  # noqa: E731
+    result = on_host_or_in_jit(where, reduce, mine)
+    close(result, rank_data(gradsync.rank(), (3, 5), dtype))
+    np.testing.assert_array_equal(np.asarray(result).view(np.uint8), np.asarray(mine).view(np.uint8))
+    if where == "jit":
+        hlo = jax.jit(reduce).lower(mine).as_text()
+        assert "gradsync_inplace" not in hlo and "callback" not in hlo
+    else:
+        assert result.unsafe_buffer_pointer() != mine.unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_scale_factors_still_apply_over_one_rank(alone, where):
+    mine = jnp.asarray(rank_data(gradsync.rank(), (6,), np.float32))
+    result = on_host_or_in_jit(where, lambda t: gj.grouped_allreduce(
+        t, name=f"alone.scaled.{where}", prescale_factor=0.5, postscale_factor=3.0,
+        process_set=alone), {"x": mine})
+    expected = rank_data(gradsync.rank(), (6,), np.float32) * np.float32(0.5) * np.float32(3.0)
+    np.testing.assert_array_equal(np.asarray(result["x"]), expected)
+
+
+def test_vmap_and_grad_are_refused_over_one_rank_too(alone):
+    with pytest.raises(TypeError, match="cannot run under jax.vmap"):
+        jax.vmap(lambda x: gj.allreduce(x, process_set=alone))(jnp.ones((2, 3)))
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.grad(lambda x: gj.allreduce(x, process_set=alone).sum())(jnp.ones(3))
+
+
 class Twins:
     """A pytree node whose two children have the same key: a custom node may name them so."""
 
@@ -410,6 +458,17 @@ def test_training_leaves_identical_parameters_on_every_rank(where):
     params = flat(train(gj.DistributedOptimizer(make_tx(), name=f"same.{where}"), batches, me, where))
     every = gradsync.allgather(params.view(np.int32)[None])
     assert (every == every[0]).all(), "the ranks' parameters differ bit for bit"
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_training_over_one_rank_equals_one_process_bit_for_bit(alone, where):
+    """A set of one rank: DistributedOptimizer's update is the wrapped one's, to the last bit."""
+    batches = global_batches(1)
+    alone_params = train(gj.DistributedOptimizer(make_tx(), name=f"alone.{where}", process_set=alone),
+                         batches, slice(None), where)
+    tx = make_tx()  # the update compiled, as DistributedOptimizer runs it outside jit
+    single = train(optax.GradientTransformation(tx.init, jax.jit(tx.update)), batches, slice(None), where)
+    np.testing.assert_array_equal(flat(alone_params), flat(single))
 
 
 def test_broadcast_parameters_gives_every_rank_the_roots_parameters():

@@ -60,6 +60,41 @@ def test_allreduce_of_a_tf_tensor_matches_numpy(where, dtype, op, rank, case):
     close(result, reference_allreduce(all_inputs(case, dtype, (3, 5), op), op))
 
 
+@pytest.fixture(scope="module")
+def alone():
+    """A process set of this rank alone (one per rank, registered on every rank in order)."""
+    import gradsync
+
+    size = gradsync.size()
+    if size == 1:
+        yield hvd.global_process_set
+        return
+    sets = [gradsync.add_process_set([r]) for r in range(size)]
+    yield sets[hvd.rank()]
+    for one in sets:
+        gradsync.remove_process_set(one)
+
+
+@pytest.mark.parametrize("where", WHERE + ["graph"])
+@pytest.mark.parametrize(("dtype", "op"), CASES)
+def test_an_allreduce_over_one_rank_is_its_input_without_a_host_op(alone, where, dtype, op, rank, case):
+    op = getattr(hvd, op)
+    mine = make(case, rank, dtype, (3, 5), op)
+    result = run(where, lambda x: hvd.grouped_allreduce([x], op=op, process_set=alone)[0],
+                 tf.constant(mine))
+    close(result, mine)
+    graph = tf.function(lambda x: hvd.allreduce(x, op=op, process_set=alone)).get_concrete_function(
+        tf.TensorSpec((3, 5), mine.dtype)).graph
+    assert not [o.type for o in graph.get_operations() if "PyFunc" in o.type]
+
+
+def test_scale_factors_still_apply_over_one_rank(alone, rank, case):
+    mine = make(case, rank, "float32", (6,))
+    result = hvd.allreduce(tf.constant(mine), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0,
+                           process_set=alone)
+    close(result, reference_allreduce([mine], Sum, 0.5, 3.0))
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_allreduce_average_flag_scale_factors_and_fp16_compression(where, rank, case):
     mine = tf.constant(make(case, rank, "float32", (6,)))

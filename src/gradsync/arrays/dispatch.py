@@ -13,6 +13,7 @@ a deep-learning framework.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 import numpy as np
@@ -26,12 +27,29 @@ from .adapter import ArrayAdapter, TensorInfo, registered
 ADAPTER_MODULES = {"torch": "gradsync.torch.array", "cupy": "gradsync.cupy",
                    "jax": "gradsync.jax.array", "jaxlib": "gradsync.jax.array"}
 
-__all__ = ["ADAPTER_MODULES", "ArrayAdapter", "DLPackAdapter", "NumpyAdapter", "TensorInfo",
-           "adapter_for"]
+__all__ = ["ADAPTER_MODULES", "ALIGNMENT", "ArrayAdapter", "DLPackAdapter", "NumpyAdapter", "TensorInfo",
+           "adapter_for", "aligned_empty"]
+
+
+#: Bytes: where new host results start. XLA's CPU client (jax) and TensorFlow (a
+#: ``tf.numpy_function``'s outputs inside a graph) take a host buffer in place only when it is
+#: aligned to 64 bytes, and copy it otherwise; numpy's own buffers are 16-byte aligned.
+ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A new C-contiguous numpy array of ``shape`` and ``dtype`` whose data starts on a multiple of
+    :data:`ALIGNMENT` bytes (contents undefined)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize  # math.prod: np.prod costs microseconds per call
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class NumpyAdapter:
-    """numpy.ndarray: the view is the array itself."""
+    """numpy.ndarray: the view is the array itself; new arrays (results) are 64-byte aligned
+    (:func:`aligned_empty`), so a framework that imports them takes them without a copy."""
 
     def info(self, x: np.ndarray) -> TensorInfo:
         return TensorInfo(dtypes.dtype_name(x.dtype), tuple(x.shape), "cpu")
@@ -40,7 +58,7 @@ class NumpyAdapter:
         return x
 
     def empty(self, like: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        return np.empty(shape, dtype=like.dtype)
+        return aligned_empty(shape, like.dtype)
 
     def from_host(self, like: np.ndarray, array: np.ndarray) -> np.ndarray:
         return array

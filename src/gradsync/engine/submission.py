@@ -173,6 +173,34 @@ def _check_reduction(where: str, dtype: str, op: ReduceOp, prescale: float, post
                         f"floating-point tensor, but it is {dtype}")
 
 
+def reduction_is_identity(dtype_names: Sequence[str], op: Any, prescale: float, postscale: float,
+                          process_set: ProcessSet) -> bool:
+    """Whether an allreduce of tensors of ``dtype_names`` is the identity on this rank, so that an
+    adapter may return its inputs (or, inside a compiled program, leave the program alone) instead
+    of submitting it: ``process_set`` has one rank, this one, and no scale factor applies. Every
+    op (Sum, Average, Min, Max, Product) of one rank is its input: the divisor of an Average is 1,
+    an integer Average's floor of ``x / 1`` is ``x``. Any other case, a call the core would refuse
+    included (an unsupported dtype, Average on bool, an unregistered set, a set without this
+    rank, Adasum), is False: it goes to the core, which raises its usual error.
+
+    The answer depends only on the set and the arguments, which every member of the set agrees
+    on, so which collectives a rank submits stays the same on every rank (DESIGN.md).
+    """
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        return False
+    if (process_set.size() != 1 or op == ReduceOp.Adasum or float(prescale) != 1.0
+            or float(postscale) != 1.0):
+        return False
+    try:
+        runtime.get().coordinator_for(process_set, "")
+    except ValueError:  # not registered, or not a member: the core's error
+        return False
+    return all(name in dtypes.SUPPORTED and not (name == "bool" and op == ReduceOp.Average)
+               for name in dtype_names)
+
+
 def check_not_scalar(shape: tuple[int, ...], where: str) -> None:
     """Allgather and alltoall concatenate and split along dimension 0, which a 0-d tensor lacks."""
     if len(shape) == 0:

@@ -20,7 +20,6 @@ on them (``allreduce_`` and the like) with an error that names the op to use ins
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -28,8 +27,8 @@ import numpy as np
 
 from ..arrays import dtypes
 from ..arrays.adapter import TensorInfo, register
-
-ALIGNMENT = 64  #: bytes; the alignment XLA's CPU client needs to import a host buffer in place
+from ..arrays.dispatch import ALIGNMENT as ALIGNMENT  # what XLA's CPU client imports in place
+from ..arrays.dispatch import aligned_empty
 
 
 def check_concrete(x: Any, what: str) -> None:
@@ -71,16 +70,6 @@ def host_view(x: Any) -> np.ndarray:
         view = view.view()
         view.flags.writeable = False
     return view
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A new C-contiguous numpy array of ``shape`` and ``dtype`` whose data starts on a multiple of
-    :data:`ALIGNMENT` bytes (contents undefined)."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize  # math.prod: np.prod costs microseconds per call
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def to_jax(results: list[np.ndarray], devices: list[jax.Device | None]) -> list[jax.Array]:

@@ -272,14 +272,53 @@ def _start(spec, leaves: _Leaves, name: str | None, what: str) -> JaxHandle:
 
 
 def _run(spec, tree: Any, name: str | None) -> Any:
-    """The blocking op: at once on concrete arrays, through an ordered io_callback when traced."""
+    """The blocking op: at once on concrete arrays, through an ordered io_callback when traced;
+    an allreduce that is the identity (one rank, no scale factor) runs nothing (:func:`_identity`)."""
     leaves = _flatten(tree)
+    if _is_identity(spec, leaves):
+        return leaves.rebuild(_identity(spec, leaves))
     if not _is_traced(leaves):
         with ops.blocking(spec.process_set):  # the cycle runs in this thread (caller runs)
             return _start(spec, leaves, name, spec.kind).wait()
     if not leaves.arrays:
         return tree
     return _in_jit(spec, leaves, name)
+
+
+def _is_identity(spec, leaves: _Leaves) -> bool:
+    """An allreduce over a set of one rank without scale factors (the core's rule,
+    :func:`gradsync.ops.reduction_is_identity`): decided from the set's size and the arguments, the
+    same on every rank, and when tracing, so a jitted step holds no call at all then. Traced
+    under anything but jit and its control flow (vmap, grad: not a plain jaxpr tracer) it is not:
+    the call then refuses the transformation as at any size."""
+    if not isinstance(spec, _Allreduce) or spec.kind == "reducescatter":
+        return False
+    if any(isinstance(a, jax.core.Tracer) and type(a).__name__ != "DynamicJaxprTracer"
+           for a in leaves.arrays):
+        return False
+    try:
+        names = [dtypes.dtype_name(np.dtype(leaf.dtype)) for leaf in leaves.arrays]
+    except (AttributeError, TypeError, ValueError):  # not an array, or a dtype the core refuses
+        return False
+    return ops.reduction_is_identity(names, spec.op, spec.prescale_factor, spec.postscale_factor,
+                                     spec.process_set)
+
+
+def _identity(spec, leaves: _Leaves) -> list[Any]:
+    """The leaves as the result of a reduction of one rank. Traced: the leaves themselves (the
+    program is unchanged: no custom call, no copy). Concrete: new jax arrays (a copy on the leaf's
+    device, so that a result can be donated without deleting its input), as every op returns."""
+    if _is_traced(leaves):
+        _refuse_named_axes(spec.kind)
+        return [jax.numpy.asarray(a) for a in leaves.arrays]
+    where = f"gradsync: rank {runtime.get().rank}: gradsync.jax.{spec.kind}"
+    out = []
+    for array in leaves.arrays:
+        if isinstance(array, jax.Array):
+            out.append(jax.device_put(array, single_device(array, where), may_alias=False))
+        else:  # numpy: copied onto jax's default device, as the core's results would be
+            out.append(jax.numpy.array(array, copy=True))
+    return out
 
 
 def _in_jit(spec, leaves: _Leaves, name: str | None) -> Any:

@@ -111,6 +111,8 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str | None, op: ReduceOp,
     :func:`~gradsync.tensorflow.host_op.start_reduction` says. Not differentiable."""
     if not tensors:
         return []
+    if not scatter and _is_identity(tensors, op, prescale, postscale, process_set):
+        return [tf.identity(t) for t in tensors]
     groups = groups_by_dtype(tensors)
     start_group = ops.grouped_reducescatter_async if scatter else ops.grouped_allreduce_async
 
@@ -129,9 +131,20 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str | None, op: ReduceOp,
                         [t.dtype for t in tensors], shapes, name)
 
 
+def _is_identity(tensors: Sequence[tf.Tensor], op: ReduceOp, prescale: float, postscale: float,
+                 process_set: ProcessSet) -> bool:
+    """An allreduce of one rank without scale factors (:func:`gradsync.ops.reduction_is_identity`,
+    the same on every rank): no op, no host round trip, the tensors as they are."""
+    return ops.reduction_is_identity([t.dtype.name for t in tensors], op, prescale, postscale,
+                                     process_set)
+
+
 def _allreduce(tensor: tf.Tensor, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                process_set: ProcessSet) -> tf.Tensor:
-    """One allreduce op; not differentiable, no compression."""
+    """One allreduce op (none for one rank: :func:`_is_identity`); not differentiable, no
+    compression."""
+    if _is_identity([tensor], op, prescale, postscale, process_set):
+        return tf.identity(tensor)
     def on_host(array: np.ndarray) -> list[np.ndarray]:
         return start_reduction(lambda xs, o, pre, post: ops.allreduce_async(xs[0], name, o, pre, post,
                                                                         process_set),
