@@ -42,6 +42,7 @@ FRAMEWORKS = [
     ("gradsync.keras", ("keras",)), ("gradsync.keras.callbacks", ("keras",)),
     ("gradsync.keras.elastic", ("keras",)),
     ("gradsync.lightning", ("torch", "lightning")),
+    ("gradsync.ray", ("ray",)),
 ]
 ENTRY_POINTS = ["gradsync.check", "gradsync.timeline", "gradsync.run"]  # python -m gradsync.X
 
