@@ -163,18 +163,23 @@ def trained_alone(size: int, steps: int, device) -> list[torch.Tensor]:
     return [p.detach().cpu() for p in alone.parameters()]
 
 
+def train_three_steps(module: torch.nn.Module, rank: int, device) -> None:
+    """Three SGD steps of ``module`` (DDP or FSDP2) on this rank's batches."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(module(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005}],
                          ids=["default", "bucket-view"])
 def test_ddp_on_cuda_trains_like_one_process_on_the_whole_batch(rank, size, device, options):
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model().to(device), device_ids=[device.index], **options)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_three_steps(ddp, rank, device)
     for got, want in zip(ddp.module.parameters(), trained_alone(size, 3, device)):
         torch.testing.assert_close(got.detach().cpu(), want, rtol=1e-12, atol=1e-12)
 
@@ -188,11 +193,6 @@ def test_fsdp2_on_cuda_trains_like_one_process_on_the_whole_batch(rank, size, de
     for layer in (sharded[0], sharded[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(sharded(x.to(device)), y.to(device)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_three_steps(sharded, rank, device)
     for got, want in zip(sharded.parameters(), trained_alone(size, 3, device)):
         torch.testing.assert_close(got.full_tensor().detach().cpu(), want, rtol=1e-12, atol=1e-12)

@@ -195,10 +195,13 @@ def reduction_is_identity(dtype_names: Sequence[str], op: Any, prescale: float, 
         return False
     try:
         runtime.get().coordinator_for(process_set, "")
-    except ValueError:  # not registered, or not a member: the core's error
+        for name in dtype_names:
+            if name not in dtypes.SUPPORTED:
+                return False
+            _check_reduction("", name, op, 1.0, 1.0)  # the core's rules (Average of bool)
+    except (ValueError, TypeError):  # not registered, not a member, or refused: the core's error
         return False
-    return all(name in dtypes.SUPPORTED and not (name == "bool" and op == ReduceOp.Average)
-               for name in dtype_names)
+    return True
 
 
 def check_not_scalar(shape: tuple[int, ...], where: str) -> None:

@@ -75,7 +75,7 @@ class _Call:
         self.future = self.outcome.then(_outputs_or_raise)  # the Work's (see the module)
         self.deferred = not all(hasattr(p, "add_done_callback") for p in self.pending)
         self.deadline = deadline  # time.monotonic() after which it fails (the group's timeout)
-        self.what = what or next((p.name for p in self.pending if hasattr(p, "name")), "a call")
+        self.what = what  # names the call in a timeout's error ("": its first handle's name)
         self.settled = False
         self._taken = False
         self._lock = threading.Lock()
@@ -98,7 +98,8 @@ class _Call:
     def timed_out(self) -> BaseException:
         """The error of a call that outlived its deadline (torch's DistBackendError, a RuntimeError)."""
         error = getattr(dist, "DistBackendError", RuntimeError)
-        return error(f"gradsync: {self.what}: Timed out after the process group's timeout: some rank "
+        what = self.what or next((p.name for p in self.pending if hasattr(p, "name")), "a call")
+        return error(f"gradsync: {what}: Timed out after the process group's timeout: some rank "
                      "has not made this call (gradsync's stall report, GRADSYNC_STALL_CHECK_TIME_SECONDS, "
                      "names the ranks); the group's calls in flight are left pending")
 
