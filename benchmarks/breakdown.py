@@ -5,7 +5,8 @@ unchanged), the functions that one step's gradient exchange passes through:
 
 * ``host_fn``: the adapter's function at the framework's boundary, the whole exchange as the
   framework sees it: the XLA custom call's Python body (jax), the ``tf.numpy_function``'s host
-  function (tensorflow), ``gradsync.torch.grouped_allreduce`` (torch: the train step is eager);
+  function (tensorflow), ``gradsync.keras._torch.grouped_allreduce`` (torch: the train step is eager; every gradient's
+  in-place allreduce, submitted and waited for);
 * ``negotiate``: the coordinator's negotiation cycles (:meth:`Negotiator.cycle`): one small
   allreduce that every rank must reach, so it also holds the **waiting** for the slower rank;
 * ``copies``: the core's fusion copies (:func:`gradsync.executors.plan.pack` and ``unpack``:
@@ -81,11 +82,9 @@ def install(framework: str) -> None:
 
         mpi_ops.call_on_host = _wrap_body("host_fn", mpi_ops.call_on_host, 1)
     elif framework == "torch":
-        import gradsync.torch
         from gradsync.keras import _torch
 
-        gradsync.torch.grouped_allreduce = _timed("host_fn", gradsync.torch.grouped_allreduce)
-        _torch._grouped_allreduce = gradsync.torch.grouped_allreduce
+        _torch.grouped_allreduce = _timed("host_fn", _torch.grouped_allreduce)
 
 
 def per_step(step: Callable[[], object]) -> Callable[[], object]:
