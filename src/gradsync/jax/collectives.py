@@ -21,6 +21,11 @@ core, in the order this rank issues them. Unnamed ops inside jit are numbered wh
 (``jit.<kind>.noname.<n>``, a count of its own), so that a jitted step that runs while the Python
 thread issues other unnamed ops cannot shift the numbering. A named op inside jit reuses its names
 every step, which lets the response cache skip negotiation: name ops that run every step.
+
+This module holds the public ops, their :class:`JaxHandle`, and how a call runs: at once on
+concrete arrays, not at all when it is the identity, inside jit through the custom call or the
+io_callback. What each kind does with the leaves (how it submits them, its result shape inside
+jit, the allreduce's custom call) and the pytree's flattening and names: :mod:`gradsync.jax.kinds`.
 """
 
 from __future__ import annotations
@@ -33,14 +38,24 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from .. import naming, ops
+from .. import ops
 from ..arrays import dtypes
-from ..engine.protocol import ReduceOp, split_rows
+from ..engine.protocol import ReduceOp
 from ..handles import Handle
 from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from . import xla_ffi
 from .array import check_concrete, single_device, to_jax
+from .kinds import (
+    Allgather,
+    Allreduce,
+    Broadcast,
+    GroupedAllreduce,
+    Leaves,
+    Reducescatter,
+    flatten,
+    jit_name,
+    leaf_names,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,180 +85,6 @@ class JaxHandle:
         return self.finish([handle.wait(timeout) for handle in self.handles])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Leaves:
-    """A flattened pytree: its leaves, their key paths as strings, and how to rebuild it."""
-
-    arrays: list[Any]
-    paths: list[str]
-    treedef: Any
-
-    def rebuild(self, leaves: list[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-
-def _flatten(tree: Any) -> _Leaves:
-    """``tree``'s leaves and their key paths, a path that repeats (a custom node's keys, dict keys
-    of the same repr) made unique by the leaf's position (:func:`gradsync.naming.deduplicated`)."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return _Leaves([leaf for _, leaf in with_paths],
-                   naming.deduplicated([jax.tree_util.keystr(path) for path, _ in with_paths]), treedef)
-
-
-def _leaf_names(name: str | None, paths: list[str]) -> list[str | None]:
-    return [None if name is None else f"{name}{path}" for path in paths]
-
-
-def _by_dtype(arrays: list[Any]) -> dict[str, list[int]]:
-    """dtype name -> the indices of the arrays of that dtype, dtypes in order of first occurrence."""
-    groups: dict[str, list[int]] = {}
-    for i, array in enumerate(arrays):
-        groups.setdefault(dtypes.dtype_name(np.dtype(array.dtype)), []).append(i)
-    return groups
-
-
-def _jit_name(spec, name: str | None) -> str:
-    """The op's name inside jit: its own, or numbered as XLA runs it (module docstring)."""
-    if name is not None:
-        return name
-    return runtime.get().auto_name(f"jit.{spec.kind}", spec.process_set.process_set_id)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Allreduce:
-    op: ReduceOp
-    prescale_factor: float
-    postscale_factor: float
-    process_set: ProcessSet
-    kind = "allreduce"
-
-    def submit(self, arrays: list[Any], names: list[str | None], name: str | None,
-               in_place: bool = False) -> list[Handle]:
-        start = ops.allreduce_async_ if in_place else ops.allreduce_async
-        return [start(a, n, self.op, self.prescale_factor, self.postscale_factor, self.process_set)
-                for a, n in zip(arrays, names)]
-
-    def in_jit(self, leaves: _Leaves, arrays: list[Any], name: str | None) -> list[Any]:
-        """The leaves, as they lie in XLA's buffers, reduced in place by one custom call
-        (:mod:`.xla_ffi`): no copy on the host but the core's fusion (a grouped allreduce packs
-        each dtype's leaves into its fusion buffer and unpacks the results into XLA's buffers).
-        Packing the leaves inside the program instead (``jnp.concatenate``, then slices) cost
-        XLA 4-5 ms more per step on a 7.4 MB pytree than the core's two copies.
-
-        The Average divisor of the leaves of :meth:`_divides_in_xla` is applied by the program:
-        the core sums them, the call also returns ``1 / divisor`` of each (the divisor the core
-        decided, :attr:`gradsync.Handle.divisor`), and the multiply fuses into whatever reads the
-        result (the optimizer's update) instead of being a pass of its own over the memory. It is
-        the core's own rounding (a float32 result times the float32 nearest ``1 / divisor``)."""
-        folded = [i for i, a in enumerate(arrays) if self._divides_in_xla(a)]
-
-        def body(outputs: list[np.ndarray]) -> None:
-            base = _jit_name(self, name)
-            with ops.blocking(self.process_set):  # the cycle runs in this thread (caller runs)
-                handles = self._submit_in_place(outputs[:len(arrays)],
-                                                _leaf_names(base, leaves.paths), base, folded)
-                for handle in handles:
-                    handle.wait()
-            for scale, i in zip(outputs[len(arrays):], folded):
-                scale[...] = 1.0 / handles[i].divisor
-
-        scales = [jax.ShapeDtypeStruct((), arrays[i].dtype) for i in folded]
-        out = xla_ffi.call(body, arrays, scales)
-        results = out[:len(arrays)]
-        for scale, i in zip(out[len(arrays):], folded):
-            results[i] = results[i] * scale
-        return results
-
-    def _divides_in_xla(self, array: Any) -> bool:
-        """Whether the program, not the core, divides this leaf's Average: a float32 or float64
-        leaf (rounded once either way; 16-bit ones are averaged in float32 by the core) with no
-        postscale, over more than one rank. The same on every rank (op, dtype and set are)."""
-        return (self.op == ReduceOp.Average and self.postscale_factor == 1.0
-                and np.dtype(array.dtype).name in ("float32", "float64")
-                and self.process_set.size() > 1)
-
-    def _submit_in_place(self, outputs: list[np.ndarray], names: list[str | None], name: str,
-                         folded: list[int]) -> list[Handle]:
-        """Submit every leaf in place, those in ``folded`` as a Sum; the handles in leaf order."""
-        handles: list[Any] = [None] * len(outputs)
-        kept = [i for i in range(len(outputs)) if i not in folded]
-        for spec, members in ((dataclasses.replace(self, op=ReduceOp.Sum), folded), (self, kept)):
-            if members:
-                started = spec.submit([outputs[i] for i in members], [names[i] for i in members],
-                                      name, True)
-                for i, handle in zip(members, started):
-                    handles[i] = handle
-        return handles
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return shape
-
-
-@dataclasses.dataclass(frozen=True)
-class _GroupedAllreduce(_Allreduce):
-    kind = "grouped_allreduce"
-
-    def submit(self, arrays: list[Any], names: list[str | None], name: str | None,
-               in_place: bool = False) -> list[Handle]:
-        """One core group per dtype, in the order the dtypes first occur (a group is one dtype,
-        fused into one buffer); each named ``<name>.<dtype>``."""
-        start = ops.grouped_allreduce_async_ if in_place else ops.grouped_allreduce_async
-        handles: list[Handle | None] = [None] * len(arrays)
-        for dtype, members in _by_dtype(arrays).items():
-            group = start([arrays[i] for i in members], None if name is None else f"{name}.{dtype}",
-                          self.op, self.prescale_factor, self.postscale_factor, self.process_set)
-            for i, handle in zip(members, group.handles):
-                handles[i] = handle
-        return handles
-
-
-@dataclasses.dataclass(frozen=True)
-class _Broadcast:
-    root_rank: int
-    process_set: ProcessSet
-    kind = "broadcast"
-
-    def submit(self, arrays: list[Any], names: list[str | None], name: str | None) -> list[Handle]:
-        return [ops.broadcast_async(a, self.root_rank, n, self.process_set)
-                for a, n in zip(arrays, names)]
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return shape
-
-
-@dataclasses.dataclass(frozen=True)
-class _Allgather:
-    process_set: ProcessSet
-    kind = "allgather"
-
-    def submit(self, arrays: list[Any], names: list[str | None], name: str | None) -> list[Handle]:
-        return [ops.allgather_async(a, n, self.process_set) for a, n in zip(arrays, names)]
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Inside jit the output shape is static: every rank must have the same dimension 0."""
-        if not shape:
-            raise ValueError("gradsync.jax.allgather needs at least one dimension, got a 0-d array "
-                             "(reshape it to (1,))")
-        return (shape[0] * self.process_set.size(),) + tuple(shape[1:])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reducescatter(_Allreduce):
-    kind = "reducescatter"
-    in_jit = None  # its output is not its input's shape: an io_callback (_in_jit)
-
-    def submit(self, arrays: list[Any], names: list[str | None], name: str | None) -> list[Handle]:
-        return [ops.reducescatter_async(a, n, self.op, self.prescale_factor, self.postscale_factor,
-                                        self.process_set) for a, n in zip(arrays, names)]
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if not shape:
-            raise ValueError("gradsync.jax.reducescatter needs at least one dimension to scatter, got "
-                             "a 0-d array (reshape it to (1,))")
-        rows = split_rows(shape[0], self.process_set.size())[self.process_set.rank()]
-        return (rows,) + tuple(shape[1:])
-
-
 def _op(op: Any, what: str) -> ReduceOp:
     try:
         return ReduceOp(op)
@@ -252,18 +93,18 @@ def _op(op: Any, what: str) -> ReduceOp:
                          f"one of {[o.name for o in ReduceOp]}") from None
 
 
-def _is_traced(leaves: _Leaves) -> bool:
+def _is_traced(leaves: Leaves) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves.arrays)
 
 
-def _start(spec, leaves: _Leaves, name: str | None, what: str) -> JaxHandle:
+def _start(spec, leaves: Leaves, name: str | None, what: str) -> JaxHandle:
     """Submit every leaf of a concrete pytree; the handle rebuilds the pytree from the results."""
     for array in leaves.arrays:
         check_concrete(array, f"gradsync.jax.{what}")
     where = f"gradsync: rank {runtime.get().rank}: gradsync.jax.{what}"
     # Anything that is not a jax array (numpy, or what the core then refuses) has no device.
     devices = [single_device(a, where) if isinstance(a, jax.Array) else None for a in leaves.arrays]
-    handles = spec.submit(leaves.arrays, _leaf_names(name, leaves.paths), name)
+    handles = spec.submit(leaves.arrays, leaf_names(name, leaves.paths), name)
 
     def finish(results: list[np.ndarray]) -> Any:
         return leaves.rebuild(to_jax(results, devices))
@@ -274,7 +115,7 @@ def _start(spec, leaves: _Leaves, name: str | None, what: str) -> JaxHandle:
 def _run(spec, tree: Any, name: str | None) -> Any:
     """The blocking op: at once on concrete arrays, through an ordered io_callback when traced;
     an allreduce that is the identity (one rank, no scale factor) runs nothing (:func:`_identity`)."""
-    leaves = _flatten(tree)
+    leaves = flatten(tree)
     if _is_identity(spec, leaves):
         return leaves.rebuild(_identity(spec, leaves))
     if not _is_traced(leaves):
@@ -285,13 +126,13 @@ def _run(spec, tree: Any, name: str | None) -> Any:
     return _in_jit(spec, leaves, name)
 
 
-def _is_identity(spec, leaves: _Leaves) -> bool:
+def _is_identity(spec, leaves: Leaves) -> bool:
     """An allreduce over a set of one rank without scale factors (the core's rule,
     :func:`gradsync.ops.reduction_is_identity`): decided from the set's size and the arguments, the
     same on every rank, and when tracing, so a jitted step holds no call at all then. Traced
     under anything but jit and its control flow (vmap, grad: not a plain jaxpr tracer) it is not:
     the call then refuses the transformation as at any size."""
-    if not isinstance(spec, _Allreduce) or spec.kind == "reducescatter":
+    if not isinstance(spec, Allreduce) or spec.kind == "reducescatter":
         return False
     if any(isinstance(a, jax.core.Tracer) and type(a).__name__ != "DynamicJaxprTracer"
            for a in leaves.arrays):
@@ -304,7 +145,7 @@ def _is_identity(spec, leaves: _Leaves) -> bool:
                                      spec.process_set)
 
 
-def _identity(spec, leaves: _Leaves) -> list[Any]:
+def _identity(spec, leaves: Leaves) -> list[Any]:
     """The leaves as the result of a reduction of one rank. Traced: the leaves themselves (the
     program is unchanged: no custom call, no copy). Concrete: new jax arrays (a copy on the leaf's
     device, so that a result can be donated without deleting its input), as every op returns."""
@@ -321,7 +162,7 @@ def _identity(spec, leaves: _Leaves) -> list[Any]:
     return out
 
 
-def _in_jit(spec, leaves: _Leaves, name: str | None) -> Any:
+def _in_jit(spec, leaves: Leaves, name: str | None) -> Any:
     """Allreduces on the CPU: one in-place custom call for the pytree (``spec.in_jit``); other
     collectives (and any on another backend): one ordered io_callback for every leaf."""
     _refuse_named_axes(spec.kind)
@@ -335,9 +176,9 @@ def _in_jit(spec, leaves: _Leaves, name: str | None) -> Any:
     results = [jax.ShapeDtypeStruct(shape, a.dtype) for shape, a in zip(shapes, arrays)]
 
     def on_host(*values: Any) -> list[np.ndarray]:
-        base = _jit_name(spec, name)
+        base = jit_name(spec, name)
         with ops.blocking(spec.process_set):  # the cycle runs in this thread (caller runs)
-            handles = spec.submit(list(values), _leaf_names(base, leaves.paths), base)
+            handles = spec.submit(list(values), leaf_names(base, leaves.paths), base)
             out = [handle.wait() for handle in handles]
         for result, shape, path in zip(out, shapes, leaves.paths):
             if result.shape != shape:  # allgather with dimension 0 differing between ranks
@@ -408,8 +249,8 @@ def allreduce_async(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.
             several devices; the errors of :func:`gradsync.allreduce_async`, naming the leaf.
         ValueError, NotInitializedError, CollectiveError: as :func:`gradsync.allreduce_async`.
     """
-    spec = _Allreduce(_op(op, "allreduce_async"), prescale_factor, postscale_factor, process_set)
-    return _start(spec, _flatten(tree), name, "allreduce_async")
+    spec = Allreduce(_op(op, "allreduce_async"), prescale_factor, postscale_factor, process_set)
+    return _start(spec, flatten(tree), name, "allreduce_async")
 
 
 def allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -420,7 +261,7 @@ def allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Averag
     Works inside ``jax.jit`` too (one in-place XLA custom call for the whole pytree; see the
     module docstring), but not under ``vmap``, ``pmap``, ``shard_map`` or differentiation (TypeError).
     """
-    spec = _Allreduce(_op(op, "allreduce"), prescale_factor, postscale_factor, process_set)
+    spec = Allreduce(_op(op, "allreduce"), prescale_factor, postscale_factor, process_set)
     return _run(spec, tree, name)
 
 
@@ -437,9 +278,9 @@ def grouped_allreduce_async(tree: Any, name: str | None = None, op: ReduceOp = R
     ``<name>.<dtype>.0``, ...). Outside jit only; arguments, result and errors as
     :func:`allreduce_async`.
     """
-    spec = _GroupedAllreduce(_op(op, "grouped_allreduce_async"), prescale_factor, postscale_factor,
+    spec = GroupedAllreduce(_op(op, "grouped_allreduce_async"), prescale_factor, postscale_factor,
                              process_set)
-    return _start(spec, _flatten(tree), name, "grouped_allreduce_async")
+    return _start(spec, flatten(tree), name, "grouped_allreduce_async")
 
 
 def grouped_allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -449,7 +290,7 @@ def grouped_allreduce(tree: Any, name: str | None = None, op: ReduceOp = ReduceO
 
     This is what :func:`gradsync.jax.DistributedOptimizer` calls on the gradient pytree.
     """
-    spec = _GroupedAllreduce(_op(op, "grouped_allreduce"), prescale_factor, postscale_factor,
+    spec = GroupedAllreduce(_op(op, "grouped_allreduce"), prescale_factor, postscale_factor,
                              process_set)
     return _run(spec, tree, name)
 
@@ -466,13 +307,13 @@ def broadcast_async(tree: Any, root_rank: int, name: str | None = None,
     Raises:
         ValueError: ``root_rank`` not a rank (of ``process_set``). Others as :func:`allreduce_async`.
     """
-    return _start(_Broadcast(root_rank, process_set), _flatten(tree), name, "broadcast_async")
+    return _start(Broadcast(root_rank, process_set), flatten(tree), name, "broadcast_async")
 
 
 def broadcast(tree: Any, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`broadcast_async`; works inside ``jax.jit`` as :func:`allreduce` does."""
-    return _run(_Broadcast(root_rank, process_set), tree, name)
+    return _run(Broadcast(root_rank, process_set), tree, name)
 
 
 def allgather_async(tree: Any, name: str | None = None,
@@ -486,14 +327,14 @@ def allgather_async(tree: Any, name: str | None = None,
     Raises:
         ValueError: a 0-d leaf. Others as :func:`allreduce_async`.
     """
-    return _start(_Allgather(process_set), _flatten(tree), name, "allgather_async")
+    return _start(Allgather(process_set), flatten(tree), name, "allgather_async")
 
 
 def allgather(tree: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Any:
     """Blocking :func:`allgather_async`; works inside ``jax.jit`` as :func:`allreduce` does, where
     the output shape must be known when tracing: every rank must pass the same dimension 0 there
     (else the callback fails with a ValueError naming both shapes)."""
-    return _run(_Allgather(process_set), tree, name)
+    return _run(Allgather(process_set), tree, name)
 
 
 def reducescatter(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -506,7 +347,7 @@ def reducescatter(tree: Any, name: str | None = None, op: ReduceOp = ReduceOp.Av
     Raises:
         ValueError: a 0-d leaf. Others as :func:`allreduce_async`.
     """
-    spec = _Reducescatter(_op(op, "reducescatter"), prescale_factor, postscale_factor, process_set)
+    spec = Reducescatter(_op(op, "reducescatter"), prescale_factor, postscale_factor, process_set)
     return _run(spec, tree, name)
 
 
