@@ -19,6 +19,9 @@ The configurations (``train_step.py``'s models and optimizer, SGD with momentum,
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo;
 * ``ddp-gradsync``: the same DDP over gradsync's ``torch.distributed`` backend (docs/torch-distributed.md):
   the default group when ``ddp`` is not run, else a ``new_group(backend="gradsync")`` of every rank;
+* ``ddp-nocomm``: DDP with a comm hook that moves no data (each bucket comes back as it went in)
+  and an ``MPI_Barrier`` after backward, as ``lockstep``: what DDP's reducer costs of itself (its
+  copies into the buckets and out, its autograd hooks), whichever backend it would run on;
 * ``gradsync``: ``gradsync.DistributedOptimizer`` with its defaults (fusion threshold
   ``--fusion-threshold``, default 1 MiB as ``train_step.py --compare``);
 * ``floor``: one process's training on every rank at once, no barrier (``train_step.py``'s N
@@ -46,7 +49,8 @@ sys.path.insert(0, HERE)
 import benchenv  # noqa: E402
 import train_step  # noqa: E402
 
-CONFIGS = ("lockstep", "ddp", "ddp-gradsync", "gradsync", "floor")
+CONFIGS = ("lockstep", "ddp", "ddp-gradsync", "ddp-nocomm", "gradsync", "floor")
+DDP = ("ddp", "ddp-gradsync", "ddp-nocomm")
 
 
 class Config:
@@ -69,9 +73,12 @@ def build(name: str, kind: str, comm, gradsync, groups: dict):
     torch.manual_seed(0)
     model = train_step.build_model(kind)
     barrier = None
-    if name in ("ddp", "ddp-gradsync"):
+    if name in DDP:
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[name])
         optimizer = train_step.make_optimizer("sgd", model)
+        if name == "ddp-nocomm":
+            model.register_comm_hook(None, _no_communication)
+            barrier = comm.Barrier
     elif name == "gradsync":
         optimizer = gradsync.DistributedOptimizer(train_step.make_optimizer("sgd", model),
                                                   named_parameters=model.named_parameters())
@@ -81,11 +88,20 @@ def build(name: str, kind: str, comm, gradsync, groups: dict):
     return Config(name, model, optimizer, barrier)
 
 
+def _no_communication(state, bucket):
+    """A DDP comm hook that moves no data: the bucket's future, completed with the bucket."""
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 def start_torch_distributed(names: list[str], comm) -> dict:
     """Start torch.distributed for the DDP configurations in ``names``: gloo as the default group
     for ``ddp`` (a TCP rendezvous on 127.0.0.1), gradsync's backend for ``ddp-gradsync`` (the
     default group, or a group of every rank beside gloo). Returns {configuration: group}."""
-    if "ddp" not in names and "ddp-gradsync" not in names:
+    if not set(DDP) & set(names):
         return {}
     import torch.distributed as dist
 
@@ -93,12 +109,12 @@ def start_torch_distributed(names: list[str], comm) -> dict:
 
     if "ddp" not in names:
         dist.init_process_group(backend="gradsync", init_method="gradsync://")
-        return {"ddp-gradsync": None}
+        return {"ddp-gradsync": None, "ddp-nocomm": None}
     port = comm.bcast(29500 + os.getpid() % 1000, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size())
     gradsync_group = dist.new_group(backend="gradsync") if "ddp-gradsync" in names else None
-    return {"ddp": None, "ddp-gradsync": gradsync_group}
+    return {"ddp": None, "ddp-gradsync": gradsync_group, "ddp-nocomm": None}
 
 
 def run_step(config: Config, x, y, loss_fn) -> tuple[float, float, float, int]:
@@ -203,7 +219,8 @@ def main() -> None:
               + f"{values[5]:>14.0f}" + f"{values[6]:>14.3f}")
     by_name = {config.name: config for config in configs}
     for a, b in (("gradsync", "ddp"), ("ddp-gradsync", "ddp"), ("gradsync", "ddp-gradsync"),
-                 ("lockstep", "ddp"), ("gradsync", "lockstep"), ("ddp-gradsync", "lockstep")):
+                 ("lockstep", "ddp"), ("gradsync", "lockstep"), ("ddp-gradsync", "lockstep"),
+                 ("ddp-nocomm", "lockstep"), ("ddp-nocomm", "ddp")):
         if a in by_name and b in by_name and b != first.name:
             print(f"{a} / {b} (paired): {paired_ratio(by_name[a], by_name[b]):.3f}")
     if args.csv:
