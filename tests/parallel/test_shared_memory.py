@@ -4,7 +4,8 @@
   memory, and the engine's allreduce gives the reduction of every rank's tensor, the same bits on
   every rank, for every dtype and op it takes, with buffers that need several chunks;
 * :class:`~gradsync.backends.shared.SharedMemory` itself reduces any length (shorter than the
-  number of ranks, not a multiple of it, several segments long) in rank order;
+  number of ranks, not a multiple of it, several segments long) in rank order, and scales it (an
+  Average's divisor folded in) to the bits of a multiply after the sum;
 * where the file cannot be created, every rank falls back to MPI_Allreduce, none alone;
 * ``GRADSYNC_SHARED_MEMORY_BYTES=0`` turns the path off (the ``off`` variant).
 
@@ -74,6 +75,39 @@ def test_shared_memory_reduces_any_length_in_rank_order(case, rank, size, count,
         want = np.add(want, term, dtype=want.dtype)
     memory.close()
     assert_array(data, want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_shared_memory_scales_each_slice_as_a_multiply_after_the_sum_would(case, rank, size, dtype):
+    """``scale`` (an Average's 1/size, folded in): the bits of ``np.multiply(sum, scale)``."""
+    memory = _memory()
+    if size == 1:
+        return
+    inputs = all_inputs(case, dtype, (10_000,), gs.Sum)
+    data = inputs[rank].copy()
+    memory.allreduce(data, ReduceOp.Sum, scale=1.0 / size)
+    memory.close()
+    want = inputs[0].copy()
+    for term in inputs[1:]:
+        want = np.add(want, term, dtype=want.dtype)
+    assert data.tobytes() == np.multiply(want, 1.0 / size).tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("postscale", [1.0, 3.0])
+def test_engine_average_in_place_is_the_sum_times_the_scale_bit_for_bit(case, rank, size, dtype, postscale):
+    """A lone tensor's Average in its own memory (the scale folded into the shared-memory
+    reduction, or unpack's pass over the result through MPI): the same bits as numpy's sum in rank
+    order times ``postscale / size``, on every rank."""
+    inputs = all_inputs(case, dtype, LARGE, gs.Sum)
+    data = inputs[rank].copy()
+    gs.allreduce_(data, name=case, op=gs.Average, postscale_factor=postscale)
+    want = inputs[0].copy()
+    for term in inputs[1:]:
+        want = np.add(want, term, dtype=want.dtype)
+    everyone = MPI.COMM_WORLD.allgather(data.tobytes())
+    assert data.tobytes() == np.multiply(want, postscale / size).tobytes()
+    assert all(other == everyone[0] for other in everyone), "ranks got different bits"
 
 
 @pytest.mark.parametrize(("op", "combine"), [(ReduceOp.Sum, np.logical_or), (ReduceOp.Min, np.logical_and)])

@@ -82,13 +82,24 @@ class MpiBackend:
         return (f"hierarchical (reduce within the host, {self._local_size} ranks here; allreduce "
                 "among the hosts' local rank 0 processes; broadcast within the host)")
 
-    def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False) -> None:
+    def scales_in_allreduce(self, buffer: np.ndarray, op: ReduceOp) -> bool:
+        """Whether :meth:`allreduce` of ``buffer`` with ``op`` takes a ``scale`` (the shared-memory
+        path, floating data): decided by the negotiated dtype, op and length, alike on every rank."""
+        return (self.shared is not None and buffer.dtype.kind == "f"
+                and self.shared.takes(buffer, op))
+
+    def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False,
+                  scale: float = 1.0) -> None:
         """In-place allreduce of the contiguous 1-d ``buffer`` (same semantics as MPI_Allreduce
         with MPI_IN_PLACE); ``logical`` for 0/1 bool data. Split into chunks of at most
         :attr:`max_count` elements. Through shared memory where it takes the buffer (the same
-        result, every rank identical: :mod:`gradsync.backends.shared`)."""
+        result, every rank identical: :mod:`gradsync.backends.shared`). ``scale``: the result
+        multiplied by it, only where :meth:`scales_in_allreduce` (else ValueError)."""
+        if scale != 1.0 and not self.scales_in_allreduce(buffer, op):
+            raise ValueError(f"MpiBackend.allreduce: scale={scale} on a path that does not scale "
+                             f"({buffer.dtype}, {op.name}, {buffer.nbytes} bytes)")
         if self.shared is not None and self.shared.takes(buffer, op):
-            self.shared.allreduce(buffer, op, logical)
+            self.shared.allreduce(buffer, op, logical, scale)
             return
         mpi_op = _MPI_OPS[LOGICAL_OPS[op] if logical else op]
         for chunk in self._chunks(buffer):

@@ -176,16 +176,20 @@ class SharedMemory:
         on the negotiated dtype, op and length, so every rank answers alike."""
         return buffer.nbytes >= self.threshold and op in _UFUNCS and buffer.dtype.kind in _KINDS
 
-    def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False) -> None:
+    def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False,
+                  scale: float = 1.0) -> None:
         """In-place allreduce of the contiguous 1-d ``buffer`` over the ranks; same semantics as
         MPI_Allreduce with MPI_IN_PLACE (``logical``: 0/1 bool data). Only for what :meth:`takes`;
-        blocks until every rank has its result."""
+        blocks until every rank has its result. ``scale`` (floating ``buffer`` only): the result
+        multiplied by it, as ``np.multiply(result, scale)`` after the allreduce would give, bit for
+        bit, but applied by each rank to the slice it reduced while that slice is in its cache,
+        before the others copy it (an Average's divisor: no second pass over the buffer)."""
         ufunc = _UFUNCS[LOGICAL_OPS[op] if logical else op]
         chunk = self.segment_bytes // buffer.dtype.itemsize
         for start in range(0, buffer.shape[0], chunk):
-            self._reduce_chunk(buffer[start:start + chunk], ufunc)
+            self._reduce_chunk(buffer[start:start + chunk], ufunc, scale)
 
-    def _reduce_chunk(self, data: np.ndarray, ufunc: np.ufunc) -> None:
+    def _reduce_chunk(self, data: np.ndarray, ufunc: np.ufunc, scale: float = 1.0) -> None:
         count, rank, size = data.shape[0], self.rank, self.size
         bounds = [count * r // size for r in range(size + 1)]
         segments = [s[:data.nbytes].view(data.dtype) for s in self.segments]
@@ -203,6 +207,8 @@ class SharedMemory:
             for term in terms[2:]:
                 ufunc(result, term, out=result)
             data[lo:hi] = result
+        if scale != 1.0:  # as HostMemory.copy scales a result in its own buffer
+            np.multiply(data[lo:hi], scale, out=data[lo:hi], casting="unsafe")
         for r in self._peers:
             segments[r][lo:hi] = data[lo:hi]
         self.local.Barrier()
