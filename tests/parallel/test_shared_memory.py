@@ -150,6 +150,7 @@ def test_every_rank_falls_back_to_mpi_when_the_file_cannot_be_created(rank, size
 def test_the_file_is_gone_once_every_rank_has_mapped_it(size):
     before = set(os.listdir(shared.SHM_DIRECTORY))
     memory = _memory()
+    MPI.COMM_WORLD.Barrier()  # local rank 0 unlinks it after the others mapped it: past that on every rank
     after = set(os.listdir(shared.SHM_DIRECTORY))
     if memory is not None:
         memory.close()
