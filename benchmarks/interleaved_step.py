@@ -100,7 +100,8 @@ def _no_communication(state, bucket):
 def start_torch_distributed(names: list[str], comm) -> dict:
     """Start torch.distributed for the DDP configurations in ``names``: gloo as the default group
     for ``ddp`` (a TCP rendezvous on 127.0.0.1), gradsync's backend for ``ddp-gradsync`` (the
-    default group, or a group of every rank beside gloo). Returns {configuration: group}."""
+    default group, or a group of every rank beside gloo); ``ddp-nocomm`` uses the default group
+    (only to build DDP: its hook moves nothing). Returns {configuration: group}."""
     if not set(DDP) & set(names):
         return {}
     import torch.distributed as dist

@@ -41,7 +41,8 @@ def cluster():
     waits for a poll: the example's 20 reports took 40 s of the 90 of its test)."""
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"  # the nodes' processes inherit it
+    environment = pytest.MonkeyPatch()
+    environment.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # the nodes' processes inherit it
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes.add_node(num_cpus=1)
     ray.init(address=nodes.address, logging_level="warning", log_to_driver=False)
@@ -51,7 +52,7 @@ def cluster():
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     ray.shutdown()
     nodes.shutdown()
-    del os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]
+    environment.undo()
     # Ray leaves the address of the cluster it started here, for a later ray.init() to join: gone.
     current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
     if current.exists() and current.read_text().strip() == nodes.address:

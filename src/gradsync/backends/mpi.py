@@ -95,10 +95,11 @@ class MpiBackend:
         :attr:`max_count` elements. Through shared memory where it takes the buffer (the same
         result, every rank identical: :mod:`gradsync.backends.shared`). ``scale``: the result
         multiplied by it, only where :meth:`scales_in_allreduce` (else ValueError)."""
-        if scale != 1.0 and not self.scales_in_allreduce(buffer, op):
+        shared = self.shared is not None and self.shared.takes(buffer, op)
+        if scale != 1.0 and not (shared and buffer.dtype.kind == "f"):  # scales_in_allreduce
             raise ValueError(f"MpiBackend.allreduce: scale={scale} on a path that does not scale "
                              f"({buffer.dtype}, {op.name}, {buffer.nbytes} bytes)")
-        if self.shared is not None and self.shared.takes(buffer, op):
+        if shared:
             self.shared.allreduce(buffer, op, logical, scale)
             return
         mpi_op = _MPI_OPS[LOGICAL_OPS[op] if logical else op]

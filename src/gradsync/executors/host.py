@@ -60,22 +60,22 @@ class HostExecutor:
         pack(plan, HOST, buffer)
         phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
         finish = plan.reduction
+        # A lone tensor's Average (or postscale) in its own memory: where the backend can, it
+        # scales each slice as it reduces it, instead of unpack's second pass over the result.
+        folded = (plan.result_in_buffer and finish.scale != 1.0 and finish.floor_divisor == 1
+                  and finish.send_op != ReduceOp.Adasum
+                  and self.backend.scales_in_allreduce(buffer, finish.send_op))
         if finish.send_op == ReduceOp.Adasum:
             received = self._received.get(plan.dtype, plan.count)
             adasum.reduce(buffer, received, plan.bounds, self.rank, self.size, self.backend.sendrecv)
-        elif (plan.result_in_buffer and finish.scale != 1.0 and finish.floor_divisor == 1
-              and self.backend.scales_in_allreduce(buffer, finish.send_op)):
-            # A lone tensor's Average (or postscale) in its own memory: the backend scales each
-            # slice as it reduces it, instead of unpack's second pass over the whole result.
-            self.backend.allreduce(buffer, finish.send_op, finish.logical, finish.scale)
-            phases.append(("ALLREDUCE", time.perf_counter_ns()))
-            return phases
         else:
-            self.backend.allreduce(buffer, finish.send_op, finish.logical)
+            self.backend.allreduce(buffer, finish.send_op, finish.logical,
+                                   finish.scale if folded else 1.0)
         phases.append(("ALLREDUCE", time.perf_counter_ns()))
-        unpack(plan, HOST, buffer)
-        if plan.unpacks:
-            phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
+        if not folded:
+            unpack(plan, HOST, buffer)
+            if plan.unpacks:
+                phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
         return phases
 
     def _reducescatter(self, plan: FusionPlan) -> Phases:
