@@ -68,9 +68,10 @@ class HostExecutor:
         if finish.send_op == ReduceOp.Adasum:
             received = self._received.get(plan.dtype, plan.count)
             adasum.reduce(buffer, received, plan.bounds, self.rank, self.size, self.backend.sendrecv)
+        elif folded:
+            self.backend.allreduce(buffer, finish.send_op, finish.logical, finish.scale)
         else:
-            self.backend.allreduce(buffer, finish.send_op, finish.logical,
-                                   finish.scale if folded else 1.0)
+            self.backend.allreduce(buffer, finish.send_op, finish.logical)
         phases.append(("ALLREDUCE", time.perf_counter_ns()))
         if not folded:
             unpack(plan, HOST, buffer)
