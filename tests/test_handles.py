@@ -67,21 +67,24 @@ def test_a_group_returns_its_members_in_order():
 def test_a_wait_without_timeout_runs_the_cycles_through_the_runner_first():
     handle, calls = Handle("x"), []
 
-    def runner(waited: Handle) -> None:  # caller runs: the cycles run here and complete it
-        calls.append("run")
+    def runner(waited: Handle, deadline: float | None) -> None:  # caller runs: the cycles run here
+        calls.append(("run", deadline))
         waited.complete(5)
 
     handle.on_wait(lambda: calls.append("hurry"), runner)
     assert handle.wait() == 5
-    assert calls == ["run"] and not handle.waited  # done by the runner: nothing left to hurry
+    assert calls == [("run", None)] and not handle.waited  # done by the runner: nothing to hurry
 
 
-def test_a_wait_with_a_timeout_hurries_the_queue_and_is_marked_waited():
+def test_a_wait_with_a_timeout_runs_the_cycles_until_its_deadline_then_hurries_the_queue():
     handle, calls = Handle("x"), []
-    handle.on_wait(lambda: calls.append("hurry"), lambda waited: calls.append("run"))
+    handle.on_wait(lambda: calls.append("hurry"), lambda waited, deadline: calls.append(deadline))
     threading.Timer(0.05, handle.complete, args=("late",)).start()
+    before = time.monotonic()
     assert handle.wait(10.0) == "late"
-    assert calls == ["hurry"] and handle.waited  # a timed wait never runs the cycles itself
+    # the runner left without completing it (the other ranks were late): the queue is hurried
+    assert len(calls) == 2 and before + 10.0 <= calls[0] <= time.monotonic() + 10.0
+    assert calls[1] == "hurry" and handle.waited
     calls.clear()
     assert handle.wait() == "late" and calls == []  # done: neither runs again
 

@@ -123,13 +123,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "caller_runs", bool, True, "bool",
-        "A blocking op (and synchronize() of a handle whose collective has not started) runs the "
-        "negotiation cycle and the collective in the calling thread when the coordinator thread is "
-        "idle, instead of handing them to it and waiting: no thread hand-off on the fast path. "
-        "Only where the process set has moved no GPU tensor, and only with rank failure detection off "
-        "(GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS=0) or on one rank: a rank lost while a caller is inside a "
-        "blocking MPI call would leave that thread blocked for good. Off: the coordinator thread runs "
-        "every cycle.",
+        "A blocking op (and synchronize() or wait() of a handle whose collective has not started) runs "
+        "the negotiation cycle and the collective in the calling thread when the coordinator thread is "
+        "idle, instead of handing them to it and waiting: no thread hand-off on the fast path. Only "
+        "where the process set has moved no GPU tensor. The caller waits for the other ranks with "
+        "nonblocking MPI calls that it leaves at its wait's timeout or once a lost rank is declared "
+        "(rank failure detection), handing the rest of the cycle to the coordinator thread, as it "
+        "does with anything that would block (an allreduce over 64 KiB, a full negotiation). Off: "
+        "the coordinator thread runs every cycle.",
     ),
     Setting(
         "wait_policy", str, "mpi", "name",

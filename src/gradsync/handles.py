@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ class Handle:
         self._error: BaseException | None = None
         self._completion: tuple[Any, int, Any] | None = None  # (device runtime, device, done event)
         # What a wait for it unfinished does first (set by its coordinator, see on_wait).
-        self._runner: Callable[[Handle], None] | None = None
+        self._runner: Callable[[Handle, float | None], None] | None = None
         self._hurry: Callable[[], None] | None = None
         #: True once a thread has waited for it unfinished (set by :meth:`wait`): while it waits on
         #: other ranks, its coordinator negotiates again at once rather than after the cycle time.
@@ -55,17 +56,19 @@ class Handle:
         """True once the collective has finished, successfully or not; never blocks."""
         return self._done
 
-    def on_wait(self, hurry: Callable[[], None], runner: Callable[[Handle], None] | None = None) -> None:
+    def on_wait(self, hurry: Callable[[], None],
+                runner: Callable[[Handle, float | None], None] | None = None) -> None:
         """What a wait for this handle, unfinished, does before it blocks; set by the coordinator
         when the collective is submitted.
 
         Args:
             hurry: tells the coordinator's queue that a thread waits (its next cycle is due at
                 once, without batching); called by every wait, after which :attr:`waited` is True.
-            runner: with caller runs, ``runner(handle)`` runs the coordinator's cycles in the
-                waiting thread if the coordinator is idle
-                (:meth:`gradsync.engine.caller_runs.CallerRuns.run_for`); called by a wait
-                without timeout. None: the coordinator's thread runs them.
+            runner: with caller runs, ``runner(handle, deadline)`` runs the coordinator's cycles
+                in the waiting thread if the coordinator is idle, leaving them at ``deadline``
+                (a ``time.monotonic()``, None for a wait without timeout)
+                (:meth:`gradsync.engine.caller_runs.CallerRuns.run_for`); called by every wait.
+                None: the coordinator's thread runs them.
         """
         self._hurry = hurry
         self._runner = runner
@@ -75,8 +78,9 @@ class Handle:
 
         For device tensors this returns once the collective is enqueued, after making the caller's
         current CUDA stream wait for it (cudaStreamWaitEvent; the host does not wait for the GPU).
-        With caller runs (``GRADSYNC_CALLER_RUNS``) and no ``timeout``, a host collective that has
-        not run yet is negotiated and run in this thread if the coordinator thread is idle.
+        With caller runs (``GRADSYNC_CALLER_RUNS``), a host collective that has not run yet is
+        negotiated and run in this thread if the coordinator thread is idle (until ``timeout``:
+        then the coordinator thread takes over, and this thread waits no longer).
 
         Args:
             timeout: seconds to wait at most; ``None`` waits until it finishes.
@@ -88,8 +92,8 @@ class Handle:
             gradsync.RankFailureError: another rank was lost (died, hung, or its coordinator
                 failed); the message names it.
         """
-        if timeout is None and self._runner is not None and not self._done:
-            self._runner(self)
+        if self._runner is not None and not self._done:
+            self._runner(self, None if timeout is None else time.monotonic() + max(0.0, timeout))
         if self._hurry is not None and not self._done:
             self.waited = True
             self._hurry()

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     line = (f"\n[parallel] rank {world.Get_rank()} of {world.Get_size()}: passed={counts['passed']} "
             f"failed={counts['failed']} skipped={counts['skipped']} errors={counts['error']}\n")
     os.write(1, line.encode())  # one write: lines of different ranks never interleave
+
+
+@pytest.fixture
+def cycle_threads(monkeypatch):
+    """The names of the threads that ran this test's negotiation cycles on the global process
+    set, in order (the coordinator's ``cycle``, recorded)."""
+    coordinator = gradsync.process.runtime.get().coordinator
+    names: list[str] = []
+    cycle = coordinator.cycle
+
+    def recorded():
+        names.append(threading.current_thread().name)
+        return cycle()
+
+    monkeypatch.setattr(coordinator, "cycle", recorded)
+    return names

@@ -5,6 +5,7 @@ switches the session's coordinator), and the results must be the same: which thr
 changes when cycles happen, never what they decide."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,21 +21,6 @@ def caller_runs(request):
     coordinator.caller_runs = request.param
     yield request.param
     coordinator.caller_runs = before
-
-
-@pytest.fixture
-def cycle_threads(monkeypatch):
-    """The names of the threads that ran this test's negotiation cycles, in order."""
-    coordinator = gradsync.process.runtime.get().coordinator
-    names: list[str] = []
-    cycle = coordinator.cycle
-
-    def recorded():
-        names.append(threading.current_thread().name)
-        return cycle()
-
-    monkeypatch.setattr(coordinator, "cycle", recorded)
-    return names
 
 
 def mine(rank: int, n: int = 1024) -> np.ndarray:
@@ -157,3 +143,44 @@ def test_a_disagreement_fails_the_blocking_op_on_every_rank(caller_runs):
         gradsync.allreduce(np.zeros(shape), name="cr.bad")
     np.testing.assert_allclose(gradsync.allreduce(mine(gradsync.rank(), 4), name="cr.after"),
                                np.mean(everyone(4), 0))
+
+
+def test_a_wait_with_a_timeout_leaves_at_its_deadline_and_the_collective_completes_later(caller_runs):
+    # Rank 0 waits 0.3 s for a collective the others submit 1 s later: with caller runs its thread
+    # runs cycles until the deadline, then leaves in the middle of one (the coordinator thread
+    # finishes it); either way the wait times out on time and the collective completes later.
+    rank, size = gradsync.rank(), gradsync.size()
+    if rank != 0:
+        time.sleep(1.0)
+    handle = gradsync.allreduce_async(mine(rank, 32), name="cr.late", op=gradsync.Sum)
+    if rank == 0 and size > 1:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="cr.late"):
+            handle.wait(0.3)
+        assert 0.3 <= time.monotonic() - start < 0.9
+    np.testing.assert_allclose(gradsync.synchronize(handle), np.sum(everyone(32), 0))
+    np.testing.assert_allclose(gradsync.allreduce(mine(rank, 8), name="cr.late.after", op=gradsync.Sum),
+                               np.sum(everyone(8), 0))
+
+
+def test_blocking_ops_run_in_the_caller_with_rank_failure_detection_on(cycle_threads):
+    # The session runs with failure detection on (the default at 2 ranks and more): the caller's
+    # waits are nonblocking MPI, which the watchdog's verdict can end (tests/test_failures.py).
+    coordinator = gradsync.process.runtime.get().coordinator
+    assert coordinator.caller_runs and coordinator.turns.guarded == (gradsync.size() > 1)
+    rank = gradsync.rank()
+    for i in range(20):
+        np.testing.assert_allclose(gradsync.allreduce(mine(rank, 16), name=f"cr.guarded.{i}", op=gradsync.Sum),
+                                   np.sum(everyone(16), 0))
+    in_caller = [name for name in cycle_threads if name == threading.current_thread().name]
+    assert len(in_caller) >= 10, cycle_threads
+
+
+def test_a_large_allreduce_in_the_callers_turn_is_left_to_the_coordinator_thread(cycle_threads):
+    # Past 64 KiB an allreduce blocks in MPI (or the shared memory's barriers): a caller whose
+    # waits must stay leavable hands that part of the cycle to the coordinator thread.
+    rank, n = gradsync.rank(), 1 << 15  # 256 KiB of float64
+    result = gradsync.allreduce(mine(rank, n), name="cr.large", op=gradsync.Sum)
+    np.testing.assert_allclose(result, np.sum(everyone(n), 0))
+    if gradsync.size() > 1:
+        assert "gradsync-coordinator" in cycle_threads, cycle_threads

@@ -844,3 +844,24 @@ def test_a_groups_timeout_fails_a_call_some_rank_makes_late(rank, size):
     dist.all_reduce(after, group=group)
     dist.destroy_process_group(group)
     assert after.tolist() == [float(sum(range(size)))] * 2
+
+
+def test_a_blocking_all_reduce_runs_its_cycle_in_the_calling_thread_and_an_async_one_does_not(
+        rank, size, cycle_threads):
+    """A blocking call (``async_op=False``) pushes without waking gradsync's coordinator thread, and
+    its ``wait()`` runs the cycle itself (caller runs); an ``async_op=True`` call wakes the
+    coordinator thread, which runs it whether or not anyone waits (as gloo's progress thread)."""
+    threads = cycle_threads
+    for i in range(10):
+        tensor = torch.full((4,), float(rank + i))
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [float(sum(range(size)) + size * i)] * 4
+    mine = threading.current_thread().name
+    assert threads.count(mine) >= 8, threads
+    threads.clear()
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:  # nobody waits: it still runs
+        time.sleep(0.001)
+    assert work.is_completed() and mine not in threads, threads
+    work.wait()

@@ -1,7 +1,16 @@
 """The MPI backend: collectives on host (numpy) buffers over the coordinator's own communicators.
 
-Only the coordinator thread calls it. Every call is a blocking MPI collective; mpi4py releases the
-GIL while it waits, so the training thread keeps running (docs/performance-notes.md, facts 1 and 2).
+Only the thread running the coordinator's cycle calls it. Every call is a blocking MPI collective;
+mpi4py releases the GIL while it waits, so the training thread keeps running
+(docs/performance-notes.md, facts 1 and 2). The exception is a user's thread running a cycle in its
+turn (:mod:`gradsync.engine.caller_runs`), which must be able to stop waiting once gradsync stops
+(a lost rank). So a flat allreduce of at most :data:`NONBLOCKING_BYTES` is an ``MPI_Iallreduce``, and
+the shared-memory path's barriers are ``MPI_Ibarrier``, on every rank whichever thread runs them (a
+nonblocking collective matches only its nonblocking form on the other ranks, and which form a rank
+uses depends only on the negotiated length): the background thread completes them with
+``MPI_Wait``, a caller's turn through :attr:`MpiBackend.wait`. Measured on 2 ranks, 4 KiB: MPICH
+4.6 us blocking against 5.7 us nonblocking, Open MPI 1.8 against 7.3 (64 KiB: 22 / 23 and 18 / 30),
+next to some 50 us of the engine's own cost per collective.
 
 Allreduce is flat (one ``MPI_Allreduce`` over all ranks) or, given the host topology, hierarchical:
 reduce onto local rank 0 over shared memory, allreduce among the hosts' local rank 0 processes over
@@ -18,12 +27,17 @@ Every rank splits alike: the decision depends only on the negotiated counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from mpi4py import MPI
 
 from ..engine.protocol import LOGICAL_OPS, ReduceOp
 from ..executors.plan import Traits
 from .shared import SharedMemory
+
+#: The most bytes of a flat allreduce that runs as MPI_Iallreduce (see the module docstring).
+NONBLOCKING_BYTES = 64 << 10
 
 _MPI_OPS = {
     ReduceOp.Average: MPI.SUM,
@@ -64,6 +78,9 @@ class MpiBackend:
         self._local_root = local is not None and local.Get_rank() == 0
         if self._local_root and cross is None:
             raise ValueError("MpiBackend: local rank 0 needs the cross communicator")
+        #: Set by a caller's turn around the collectives it runs (None: MPI_Wait): completes a
+        #: nonblocking request, or raises to leave the turn (gradsync.engine.waiting.wait_or_leave).
+        self.wait: Callable[[MPI.Request], None] | None = None
         # Sizes read once here, so that describe() never calls MPI from another thread.
         self._local_size = local.Get_size() if local is not None else 1
         self._cross_size = cross.Get_size() if cross is not None else None
@@ -88,6 +105,11 @@ class MpiBackend:
         return (self.shared is not None and buffer.dtype.kind == "f"
                 and self.shared.takes(buffer, op))
 
+    def waits_nonblocking(self, nbytes: int, op: ReduceOp) -> bool:
+        """Whether an allreduce of a buffer of ``nbytes`` with ``op`` waits only through
+        :attr:`wait` (flat, at most :data:`NONBLOCKING_BYTES`); hierarchical ones block."""
+        return self.local is None and op in _MPI_OPS and nbytes <= NONBLOCKING_BYTES
+
     def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False,
                   scale: float = 1.0) -> None:
         """In-place allreduce of the contiguous 1-d ``buffer`` (same semantics as MPI_Allreduce
@@ -100,11 +122,15 @@ class MpiBackend:
             raise ValueError(f"MpiBackend.allreduce: scale={scale} on a path that does not scale "
                              f"({buffer.dtype}, {op.name}, {buffer.nbytes} bytes)")
         if shared:
-            self.shared.allreduce(buffer, op, logical, scale)
+            self.shared.allreduce(buffer, op, logical, scale, self.wait)
             return
         mpi_op = _MPI_OPS[LOGICAL_OPS[op] if logical else op]
         for chunk in self._chunks(buffer):
             if self.local is None:
+                if chunk.nbytes <= NONBLOCKING_BYTES:  # the same form on every rank (module doc)
+                    request = self.comm.Iallreduce(MPI.IN_PLACE, chunk, op=mpi_op)
+                    request.Wait() if self.wait is None else self.wait(request)
+                    continue
                 self.comm.Allreduce(MPI.IN_PLACE, chunk, op=mpi_op)
             else:
                 self._hierarchical_allreduce(chunk, mpi_op)

@@ -9,11 +9,14 @@ entries, device executor: :class:`gradsync.engine.parts.CycleParts`), its cycle 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from ..handles import Handle
 from .parts import CycleParts
+from .waiting import LeftTurn, wait_or_leave
 
 
 class CallerRuns:
@@ -29,14 +32,25 @@ class CallerRuns:
             cycle that raised.
         enabled: whether callers may run cycles at all (off: every method but :meth:`mine` does
             nothing, and a waiter waits on its handle); settable.
+        guarded: rank failure detection is on: a caller's MPI waits must be able to stop when the
+            watchdog's verdict comes (:meth:`waiter`), which a blocking MPI call cannot.
+
+    A caller that waits with a deadline (``Handle.wait(timeout)``), or any caller when ``guarded``,
+    waits for the other ranks through :func:`gradsync.engine.waiting.wait_or_leave` (:meth:`waiter`):
+    at its deadline, or once gradsync has stopped, it leaves its turn (the coordinator parks the
+    rest of the cycle for the background thread, :meth:`gradsync.engine.coordinator.Coordinator.cycle`)
+    and waits on its handle as any waiter does.
     """
 
     def __init__(self, parts: CycleParts, *, lock: threading.Lock, cycle: Callable[[], bool],
-                 crashed: Callable[[BaseException], None], enabled: bool) -> None:
-        self.enabled = enabled
+                 crashed: Callable[[BaseException], None], enabled: bool, guarded: bool = False) -> None:
+        self.enabled, self.guarded = enabled, guarded
         self._lock, self._queue, self._pending, self._device = lock, parts.queue, parts.pending, parts.device
         self._cycle, self._crashed = cycle, crashed
         self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
+        self._leave_at: float | None = None  # the turn's deadline (time.monotonic()), if any
+        self._negotiation_wait = functools.partial(wait_or_leave, leave=self._deadline_or_stop)
+        self._data_wait = functools.partial(wait_or_leave, leave=self._stopped)
 
     def mine(self) -> bool:
         """Whether the calling thread holds its turn now."""
@@ -80,33 +94,58 @@ class CallerRuns:
         if left:
             self._queue.wake()
 
-    def run_for(self, handle: Handle) -> None:
+    def run_for(self, handle: Handle, deadline: float | None = None) -> None:
         """Caller runs: from the thread about to wait for ``handle``, run cycles until it is done,
         if this thread holds the lock in its turn (:meth:`caller_turn`) or takes it now (the
         background thread is idle), and this set has moved no GPU tensor (device work stays on the
         background thread, whose GPU binding and streams it is); else return at once and let the
-        caller wait on the handle's event. Never raises: a failed cycle fails the handles, as on
-        the background thread, and the background thread then stops."""
+        caller wait on the handle's event. ``deadline`` (a ``time.monotonic()``): leave the turn
+        then (:meth:`waiter`). Never raises: a failed cycle fails the handles, as on the background
+        thread, and the background thread then stops."""
         if self._turn == threading.get_ident():
-            self._cycle_until(handle)
+            self._cycle_until(handle, deadline)
             return
         if self._device.device is not None or not self._lock.acquire(blocking=False):
             return
         self._turn = threading.get_ident()
         try:
-            self._cycle_until(handle)
+            self._cycle_until(handle, deadline)
         finally:
-            self.end_turn()
+            self.finish_turn()
 
-    def _cycle_until(self, handle: Handle) -> None:
-        while not handle.done() and self._device.device is None:
-            if not self._guarded_cycle():
-                return
+    def waiter(self, data: bool = False) -> Callable | None:
+        """How the thread running a cycle waits for an MPI request: None (the background thread,
+        or a caller with no deadline and rank failure detection off: the blocking MPI calls), else
+        :func:`~gradsync.engine.waiting.wait_or_leave`, which leaves the turn once gradsync has
+        stopped and, for a negotiation (not ``data``: a data collective starts only once every rank
+        is there), at the caller's deadline."""
+        if self._turn != threading.get_ident() or not (self.guarded or self._leave_at is not None):
+            return None
+        return self._data_wait if data else self._negotiation_wait
+
+    def _deadline_or_stop(self) -> bool:
+        return self._queue.closed or (self._leave_at is not None and time.monotonic() >= self._leave_at)
+
+    def _stopped(self) -> bool:
+        return self._queue.closed
+
+    def _cycle_until(self, handle: Handle, deadline: float | None) -> None:
+        self._leave_at = deadline
+        try:
+            while not handle.done() and self._device.device is None:
+                if not self._guarded_cycle():
+                    return
+        finally:
+            self._leave_at = None
 
     def _guarded_cycle(self) -> bool:
-        """The cycle in a caller's thread: an exception is handled as the background thread's."""
+        """The cycle in a caller's thread: an exception is handled as the background thread's;
+        False (cycle no more) when the caller left its turn (:class:`LeftTurn`)."""
         try:
             return self._cycle()
+        except LeftTurn:  # the coordinator parked the rest of the cycle: let its thread have it
+            self.end_turn()
+            return False
         except BaseException as exc:  # noqa: BLE001 - it fails every handle, as on the background thread
             self._crashed(exc)
             return False

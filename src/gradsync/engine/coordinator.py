@@ -14,12 +14,14 @@ thread, which sleeps on the queue's condition variable while there is nothing to
 polling, docs/performance-notes.md, fact 3), lets asynchronous requests that arrive within
 ``cycle_time`` ms of the last cycle gather into the next one (unless a thread waits for one:
 ``queue.hurry``, a blocking op), and cycles again after ``cycle_time`` ms while requests wait for
-other ranks; or, with caller runs (``GRADSYNC_CALLER_RUNS``, on by default but active only where
-rank failure detection is off, which by default means on one rank), a thread that waits for a
-host handle whose collective has not run yet (a blocking op, ``synchronize()``): if the lock is free (the
-background thread is idle) it runs the cycles itself until its handle is done
-(:meth:`gradsync.engine.caller_runs.CallerRuns.run_for`), with no hand-off to the background thread and
-back. Both run the same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles
+other ranks; or, with caller runs (``GRADSYNC_CALLER_RUNS``, on by default), a thread that waits
+for a host handle whose collective has not run yet (a blocking op, ``synchronize()``): if the lock
+is free (the background thread is idle) it runs the cycles itself until its handle is done
+(:meth:`gradsync.engine.caller_runs.CallerRuns.run_for`), with no hand-off to the background thread
+and back. A caller waits on MPI only where it can leave (nonblocking calls, given up at its
+deadline or once gradsync stopped); a cycle that would block it further is *parked*
+(:meth:`Coordinator._park`): the caller leaves, and the next cycle, the background thread's, runs
+the rest first. Both run the same :meth:`Coordinator.cycle`: which thread runs a cycle changes when cycles
 happen, never what a cycle decides, and a rank's cycles are matched with the other ranks' in
 order whichever thread runs them. A waiter that finds the lock taken waits on its handle's event
 (no spinning). Other threads post to the queue (new entries, ``interrupt``, ``close``) or read
@@ -38,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from ..backends.mpi import MpiBackend
 from ..config import Config, check_shared
@@ -46,15 +49,16 @@ from ..executors.device import DeviceExecutor, GpuClaims
 from ..executors.host import HostExecutor
 from ..handles import Handle
 from ..timeline import open_for
-from . import liveness
+from . import fusion, liveness
 from .autotune import Autotuner
 from .caller_runs import CallerRuns
 from .execution import ResponseExecution
-from .negotiation import Negotiator
+from .negotiation import Negotiator, Parked
 from .parts import CycleParts, SetPlace
-from .protocol import CycleReply, Kind
+from .protocol import CycleReply, Kind, Response
 from .request_queue import Entry, ErrorType, TensorQueue
 from .stall_inspector import StallClock, heartbeat_interval, pending_ages
+from .waiting import LeftTurn
 
 log = logging.getLogger("gradsync")
 
@@ -92,6 +96,7 @@ class Coordinator:
         # (time.monotonic() at entry, what) while inside a negotiation; read by the watchdog, with
         # the execution's own while inside a collective (:attr:`busy`).
         self._negotiating: tuple[float, object] | None = None
+        self._parked: Callable[[], bool] | None = None  # the rest of a cycle a caller left (_park)
         parts = self._build_parts(config, backend, gpu_claims)
         failure_timeout = config.rank_failure_timeout_seconds if self.size > 1 else 0.0
         self._heartbeat = heartbeat_interval(config.stall_check_time_seconds, failure_timeout)
@@ -100,13 +105,12 @@ class Coordinator:
         self._autotuner = _autotuner(config, self.rank)
         self.execution = ResponseExecution(parts, place, join_divisor=config.join_divisor,
                                            autotuner=self._autotuner, timeline=self.timeline)
-        # Read when an op is submitted. Off with rank failure detection: a rank lost while a caller
-        # is inside a blocking MPI call would leave that thread blocked for good, where the
-        # watchdog's verdict can fail only threads that wait on a handle (docs/architecture.md).
+        # Read when an op is submitted. Guarded with rank failure detection: a caller then waits on
+        # MPI only in ways the watchdog's verdict can end (docs/architecture.md, "Threads").
         # The cycle is looked up at each call, so that a wrapper set on the coordinator sees the
         # caller's cycles too (tests/parallel/test_caller_runs.py records which thread ran them).
         self.turns = CallerRuns(parts, lock=self.lock, cycle=lambda: self.cycle(), crashed=self._crashed,
-                                enabled=config.caller_runs and failure_timeout == 0)
+                                enabled=config.caller_runs, guarded=failure_timeout > 0)
         self._watchdog = liveness.watchdog_for(comm, failure_timeout, self._heartbeat, lambda: self.busy,
                                                self._lost, world_ranks)
         self._thread = threading.Thread(target=self._run, name="gradsync-coordinator", daemon=True)
@@ -279,23 +283,95 @@ class Coordinator:
     def _cycle(self) -> bool:
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
+        if self._parked is not None:  # a caller left a cycle in the middle: finish it first
+            parked, self._parked = self._parked, None
+            return parked()
         entries, shutdown = self.queue.take()
         device_failed = self.device.error  # this cycle tells the others; the next one stops
         for entry in entries:
             self._pending[entry.request.name] = entry
         started_ns = time.perf_counter_ns()
         stall = self._stall_due(started_ns)
+        wait = self.turns.waiter()
         self._negotiating = (time.monotonic(), "a negotiation cycle")
-        reply = self.negotiator.cycle([e.request for e in entries], shutdown or bool(device_failed),
-                                      stall, self._pending_ages)
-        self._negotiating = None
+        try:
+            reply = self.negotiator.cycle([e.request for e in entries], shutdown or bool(device_failed),
+                                          stall, self._pending_ages, wait)
+        except Parked as parked:
+            self._park(functools.partial(self._resume, parked.resume, len(entries), device_failed,
+                                         started_ns))
+        finally:
+            self._negotiating = None
+        return self._negotiated(reply, len(entries), device_failed, started_ns, wait)
+
+    def _park(self, rest: Callable[[], bool]) -> NoReturn:
+        """A caller leaves its turn in the middle of a cycle: ``rest`` finishes it, first thing in
+        the next cycle of whichever thread (the background thread's, woken now)."""
+        self._parked = rest
+        self.queue.wake()
+        raise LeftTurn
+
+    def _resume(self, resume: Callable, new: int, device_failed: str | None, started_ns: int) -> bool:
+        """The rest of a negotiation a caller left (:class:`~gradsync.engine.negotiation.Parked`)."""
+        wait = self.turns.waiter()
+        self._negotiating = (time.monotonic(), "a negotiation cycle")
+        try:
+            reply = resume(wait)
+        except Parked as parked:
+            self._park(functools.partial(self._resume, parked.resume, new, device_failed, started_ns))
+        finally:
+            self._negotiating = None
+        return self._negotiated(reply, new, device_failed, started_ns, wait)
+
+    def _negotiated(self, reply: CycleReply, new: int, device_failed: str | None, started_ns: int,
+                    wait: Callable | None) -> bool:
+        """The cycle after its negotiation: run the responses (in a caller's turn with ``wait``,
+        only responses whose every wait can leave the turn, :meth:`_quick`; else parked)."""
         replied_ns = time.perf_counter_ns()
-        if self.timeline is not None and (entries or reply.responses):
-            self.timeline.marker("CYCLE", started_ns, {"new": len(entries),
-                                                       "responses": len(reply.responses)})
-        self._progressed = bool(entries or reply.responses)
-        if not self.execution.run(reply.responses, replied_ns):
+        if self.timeline is not None and (new or reply.responses):
+            self.timeline.marker("CYCLE", started_ns, {"new": new, "responses": len(reply.responses)})
+        self._progressed = bool(new or reply.responses)
+        if wait is not None and not self._quick(reply.responses):
+            self._park(functools.partial(self._executed, reply, device_failed, replied_ns))
+        return self._executed(reply, device_failed, replied_ns)
+
+    def _quick(self, responses: tuple[Response, ...]) -> bool:
+        """Whether a caller's turn may run ``responses`` itself: each a failure (no collective) or
+        a host allreduce whose fusion buffer the backend reduces with nonblocking MPI calls only
+        (:meth:`gradsync.backends.mpi.MpiBackend.waits_nonblocking`), so that the turn can leave."""
+        backend = self.host.backend
+        if not getattr(backend, "waits_nonblocking", False):
             return False
+        pending = self._pending
+        for response in responses:
+            if response.error is not None:
+                continue
+            if response.kind is not Kind.ALLREDUCE:
+                return False
+            total = 0
+            for name in response.names:
+                entry = pending.get(name)
+                if entry is None or entry.runtime is not None:
+                    return False
+                request = entry.request
+                total += fusion.nbytes(request)
+            if not backend.waits_nonblocking(total, request.op):
+                return False
+        return True
+
+    def _executed(self, reply: CycleReply, device_failed: str | None, replied_ns: int) -> bool:
+        """Run the reply's responses (in a caller's turn, waiting as :meth:`CallerRuns.waiter`
+        says for data), then what ends a cycle."""
+        wait = self.turns.waiter(data=True)
+        backend = self.host.backend
+        if wait is not None:
+            backend.wait = wait
+        try:
+            if not self.execution.run(reply.responses, replied_ns):
+                return False
+        finally:
+            if wait is not None:
+                backend.wait = None
         if self._autotuner is not None:
             proposal = self._autotuner.poll()
             if proposal is not None:
@@ -321,6 +397,8 @@ class Coordinator:
         asynchronous requests arriving together (gradients during backward) share a cycle; at
         once when a thread waits for one (a blocking op, synchronize()) or gradsync stops; without
         new work, once the interval since the last cycle has passed."""
+        if self._parked is not None:
+            return True
         since = time.monotonic() - self._last_cycle
         if self.queue.has_work():
             return self.queue.pressing() or since >= self.negotiator.cycle_time / 1000.0
@@ -330,6 +408,8 @@ class Coordinator:
     def _next_wait(self) -> tuple[float | None, bool]:
         """How long the background thread sleeps before its next cycle unless woken, and whether
         it is batching new requests (then only a waiting thread or a stop wakes it early)."""
+        if self._parked is not None:
+            return 0.0, False
         if self.queue.has_work():
             gap = self.negotiator.cycle_time / 1000.0
             return max(0.0, self._last_cycle + gap - time.monotonic()), True

@@ -53,6 +53,13 @@ class Entry:
 # push is urgent and the coordinator cycles without waiting to batch more requests.
 WAITING: contextvars.ContextVar[bool] = contextvars.ContextVar("gradsync_waiting", default=False)
 
+# True while a thread submits what it will wait for right away and, with caller runs, cycle for
+# itself (a blocking torch.distributed call, gradsync.torch.distributed.work.waited_at_once): its push
+# wakes no coordinator thread, so that the wait finds the coordinator idle. If the wait finds it
+# busy, it hurries the queue as any wait does; a push nobody waits for is taken by the coordinator
+# thread's next timed cycle.
+QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("gradsync_quiet", default=False)
+
 # What a stopped queue raises and fails its handles with: called with the message.
 ErrorType = Callable[[str], GradsyncError]
 
@@ -91,7 +98,8 @@ class TensorQueue:
 
     def push_all(self, entries: list[Entry], wake: bool = True) -> None:
         """Queue every entry of ``entries`` at once (a group), or none of them; as :meth:`push`.
-        ``wake=False``: do not wake the coordinator's thread (the caller runs the cycle itself).
+        ``wake=False``: do not wake the coordinator's thread (the caller runs the cycle itself);
+        nor inside :data:`QUIET`.
         Inside a blocking op (:data:`WAITING`) the push is urgent, as after :meth:`hurry`."""
         with self._cond:
             for entry in entries:
@@ -100,7 +108,8 @@ class TensorQueue:
             self._new.extend(entries)
             if WAITING.get():
                 self._urgent = True
-            if wake and (self._urgent or not self._batching):  # a batching wait ends on its own
+            if wake and (self._urgent or not self._batching) and not QUIET.get():
+                # (a batching wait ends on its own; a quiet push is waited for by its thread)
                 self._cond.notify()
 
     def hurry(self) -> None:

@@ -7,18 +7,28 @@ thread stays runnable, and on a machine whose cores all compute (every rank's tr
 with backward) it takes time from the thread the other ranks are waiting for
 (docs/performance-notes.md, facts 1 and 11).
 
-:func:`wait` instead starts the collective nonblocking, tests it for a short spin (the common case:
-the others are already there), then sleeps between tests, doubling the sleep up to a cap, so the
-core is free for the training thread. It is used for the negotiation exchange only, a few dozen bytes
-whose progress needs nothing from this rank but a test: a data collective's bytes move only while a
-rank is inside MPI, so those stay blocking (fact 2: a test-and-sleep loop made steps 15-20 % slower).
-The policy is the ``wait_policy`` setting, ``mpi`` (the blocking call) by default: on 2 ranks sharing
-2 cores ``sleep`` measured no faster under MPICH and slower under Open MPI (docs/configuration.md).
+:func:`wait` instead tests the exchange's nonblocking allreduce (``MPI_Iallreduce``, on every rank:
+:meth:`gradsync.engine.negotiation.Negotiator.cycle`) for a short spin (the common case: the others
+are already there), then sleeps between tests, doubling the sleep up to a cap, so the core is free
+for the training thread. It is used for the negotiation exchange only, a few dozen bytes whose
+progress needs nothing from this rank but a test: a data collective's bytes move only while a rank
+is inside MPI, so the background thread completes those with ``MPI_Wait`` (fact 2: a test-and-sleep
+loop made steps 15-20 % slower). The policy is the ``wait_policy`` setting, ``mpi`` (``MPI_Wait``,
+the MPI's own wait) by default: on 2 ranks sharing 2 cores ``sleep`` measured no faster under MPICH
+and slower under Open MPI (docs/configuration.md).
+
+:func:`wait_or_leave` is the same loop for a *caller's turn* (:mod:`gradsync.engine.caller_runs`): a
+user's thread running the coordinator's cycle must be able to stop waiting, which a thread inside a
+blocking MPI call cannot: when its deadline passes (``Handle.wait(timeout)``, a torch group's
+timeout) or gradsync stops (the liveness watchdog's verdict on a lost rank). It raises
+:class:`LeftTurn` then, with the MPI request still pending; the coordinator keeps the request and
+the background thread completes it (:meth:`gradsync.engine.coordinator.Coordinator.cycle`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -27,20 +37,10 @@ FIRST_SLEEP_SECONDS = 20e-6
 MAX_SLEEP_SECONDS = 500e-6  # the most a wait adds after the last peer arrives
 
 
-
-def allreduce(comm: MPI.Comm, buffer, op: MPI.Op, policy: str) -> None:
-    """In-place allreduce of ``buffer`` (a writable buffer, e.g. a 1-d numpy array) over ``comm``
-    (same semantics as ``MPI_Allreduce`` with ``MPI_IN_PLACE``), waiting as ``policy`` says:
-    ``"mpi"``: the blocking call (the MPI's own wait); ``"sleep"``: ``MPI_Iallreduce`` and
-    :func:`wait`.
-
-    Raises:
-        mpi4py.MPI.Exception: the MPI call failed (as the blocking call would).
-    """
-    if policy == "mpi":
-        comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
-    else:
-        wait(comm.Iallreduce(MPI.IN_PLACE, buffer, op=op))
+class LeftTurn(BaseException):
+    """A caller's turn stopped waiting (:func:`wait_or_leave`): its deadline passed or gradsync
+    stopped. A BaseException: nothing between the wait and the caller's turn may take it for an
+    error of the collective."""
 
 
 def wait(request: MPI.Request) -> None:
@@ -58,5 +58,33 @@ def wait(request: MPI.Request) -> None:
             return
     pause = FIRST_SLEEP_SECONDS
     while not test():
+        time.sleep(pause)
+        pause = min(2 * pause, MAX_SLEEP_SECONDS)
+
+
+def wait_or_leave(request: MPI.Request, leave: Callable[[], bool]) -> None:
+    """Complete ``request`` as :func:`wait` does, but in a caller's turn: ``leave()`` is asked
+    between tests (every test while spinning is cheap, so there every 64th), and once it says True
+    the wait stops.
+
+    Raises:
+        LeftTurn: ``leave()`` returned True before the request completed (it is still pending:
+            whoever runs the next cycle must complete it).
+    """
+    test = request.Test
+    if test():
+        return
+    deadline = time.perf_counter() + SPIN_SECONDS
+    spins = 0
+    while time.perf_counter() < deadline:
+        if test():
+            return
+        spins += 1
+        if not spins & 63 and leave():
+            raise LeftTurn
+    pause = FIRST_SLEEP_SECONDS
+    while not test():
+        if leave():
+            raise LeftTurn
         time.sleep(pause)
         pause = min(2 * pause, MAX_SLEEP_SECONDS)

@@ -22,7 +22,7 @@ from ...process import runtime
 from ...process_sets import ProcessSet, global_process_set
 from . import movement, reductions
 from .point_to_point import PointToPoint
-from .work import Completer, seconds
+from .work import Completer, seconds, waited_at_once
 
 BACKEND = "gradsync"
 #: Engine names per call kind that rotate (:meth:`GradsyncProcessGroup.next_name`): 60 is divided
@@ -147,19 +147,23 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     # -- reductions
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
-        return reductions.allreduce(self, _listed(tensors), opts)
+        with waited_at_once() as blocking:
+            return reductions.allreduce(self, _listed(tensors), opts, blocking)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
         return reductions.allreduce_coalesced(self, tensors, opts)
 
     def reduce(self, tensors: Any, opts: Any) -> Any:
-        return reductions.reduce(self, tensors, opts)
+        with waited_at_once():
+            return reductions.reduce(self, tensors, opts)
 
     def reduce_scatter(self, outputs: Any, input_lists: Any, opts: Any = None) -> Any:
         return reductions.reduce_scatter(self, outputs, input_lists, opts)
 
     def reduce_scatter_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
-        return reductions.reduce_scatter_tensors(self, [output], [tensor], opts, "reduce_scatter_tensor")
+        with waited_at_once():
+            return reductions.reduce_scatter_tensors(self, [output], [tensor], opts,
+                                                     "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -170,10 +174,12 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     # -- data movement
     def broadcast(self, tensors: Any, opts: Any) -> Any:
-        return movement.broadcast(self, _listed(tensors), opts)
+        with waited_at_once():
+            return movement.broadcast(self, _listed(tensors), opts)
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
-        return movement.allgather(self, output_lists, inputs, opts)
+        with waited_at_once():
+            return movement.allgather(self, output_lists, inputs, opts)
 
     def allgather_coalesced(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
         """``all_gather_coalesced``, whose ``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
@@ -181,7 +187,8 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return movement.allgather(self, by_input, inputs, opts, "all_gather_coalesced")
 
     def all_gather_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
-        return movement.allgather_into(self, [output], [tensor], opts)
+        with waited_at_once():
+            return movement.allgather_into(self, [output], [tensor], opts)
 
     _allgather_base = all_gather_single
 

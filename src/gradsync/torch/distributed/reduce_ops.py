@@ -56,6 +56,17 @@ def reduction(op: dist.ReduceOp | None, dtype: torch.dtype, where: str) -> Reduc
             (the message names it and ``where``).
     """
     kind = RedOpType.SUM if op is None else _kind(op)
+    if kind != RedOpType.PREMUL_SUM:  # the same answer every time for (op, dtype): made once
+        return _plain(kind, dtype, where)
+    return _reduction(kind, op, dtype, where)
+
+
+@functools.lru_cache(maxsize=256)
+def _plain(kind: RedOpType, dtype: torch.dtype, where: str) -> Reduction:
+    return _reduction(kind, None, dtype, where)
+
+
+def _reduction(kind: RedOpType, op: dist.ReduceOp | None, dtype: torch.dtype, where: str) -> Reduction:
     if kind in _BITWISE:
         if dtype.is_floating_point or dtype.is_complex:
             raise TypeError(f"{where}: ReduceOp.{kind.name} needs an integer or bool tensor, got {dtype}")

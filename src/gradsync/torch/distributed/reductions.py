@@ -70,8 +70,15 @@ def _submit_each(pg: Any, tensors: Sequence[torch.Tensor], opts: Any, call: str,
     return pending, folds
 
 
-def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
-    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place (a sparse one summed)."""
+def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any, blocking: bool = False) -> Any:
+    """``dist.all_reduce``: every tensor of ``tensors`` reduced in place (a sparse one summed).
+    ``blocking`` (the caller waits at once): a lone dense host tensor that the engine reduces is
+    finished before this returns (:meth:`.work.Completer.finished`), under the same name."""
+    if blocking and len(tensors) == 1 and tensors[0].layout == torch.strided and not tensors[0].is_cuda:
+        how = _reduction(pg, opts, tensors[0], "all_reduce")
+        if how.fold is None:
+            name = f"{pg.next_name('allreduce')}.0"
+            return pg.completer.finished(_submit_allreduce(pg, tensors[0], how, name, True), list(tensors))
     pending, folds = _submit_each(pg, tensors, opts, "all_reduce", True)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
