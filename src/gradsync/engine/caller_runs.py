@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from ..handles import Handle
 from .parts import CycleParts
-from .waiting import LeftTurn, wait_or_leave
+from .waiting import CALLER_PATIENCE_SECONDS, LeftTurn, wait_or_leave
 
 
 class CallerRuns:
@@ -37,9 +37,10 @@ class CallerRuns:
 
     A caller that waits with a deadline (``Handle.wait(timeout)``), or any caller when ``guarded``,
     waits for the other ranks through :func:`gradsync.engine.waiting.wait_or_leave` (:meth:`waiter`):
-    at its deadline, or once gradsync has stopped, it leaves its turn (the coordinator parks the
-    rest of the cycle for the background thread, :meth:`gradsync.engine.coordinator.Coordinator.cycle`)
-    and waits on its handle as any waiter does.
+    at its deadline, once gradsync has stopped, or when the other ranks have not joined its
+    negotiation within a short spin, it leaves its turn (the coordinator parks the rest of the
+    cycle for the background thread, :meth:`gradsync.engine.coordinator.Coordinator.cycle`) and
+    waits on its handle as any waiter does.
     """
 
     def __init__(self, parts: CycleParts, *, lock: threading.Lock, cycle: Callable[[], bool],
@@ -49,7 +50,8 @@ class CallerRuns:
         self._cycle, self._crashed = cycle, crashed
         self._turn: int | None = None  # the thread ident of a caller running cycles (holds lock)
         self._leave_at: float | None = None  # the turn's deadline (time.monotonic()), if any
-        self._negotiation_wait = functools.partial(wait_or_leave, leave=self._deadline_or_stop)
+        self._negotiation_wait = functools.partial(wait_or_leave, leave=self._deadline_or_stop,
+                                                   patience=CALLER_PATIENCE_SECONDS)
         self._data_wait = functools.partial(wait_or_leave, leave=self._stopped)
 
     def mine(self) -> bool:
@@ -118,7 +120,10 @@ class CallerRuns:
         or a caller with no deadline and rank failure detection off: the blocking MPI calls), else
         :func:`~gradsync.engine.waiting.wait_or_leave`, which leaves the turn once gradsync has
         stopped and, for a negotiation (not ``data``: a data collective starts only once every rank
-        is there), at the caller's deadline."""
+        is there), at the caller's deadline or after spinning
+        :data:`~gradsync.engine.waiting.CALLER_PATIENCE_SECONDS` (then the coordinator thread,
+        waiting inside MPI, takes over: a step's last gradients arriving a few ms apart on the
+        ranks cost no sleep granularity)."""
         if self._turn != threading.get_ident() or not (self.guarded or self._leave_at is not None):
             return None
         return self._data_wait if data else self._negotiation_wait

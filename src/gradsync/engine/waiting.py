@@ -33,6 +33,7 @@ from collections.abc import Callable
 from mpi4py import MPI
 
 SPIN_SECONDS = 50e-6  # test without sleeping for this long: a peer already there answers within it
+CALLER_PATIENCE_SECONDS = 200e-6  # how long a caller's turn spins on a negotiation before it leaves
 FIRST_SLEEP_SECONDS = 20e-6
 MAX_SLEEP_SECONDS = 500e-6  # the most a wait adds after the last peer arrives
 
@@ -62,19 +63,23 @@ def wait(request: MPI.Request) -> None:
         pause = min(2 * pause, MAX_SLEEP_SECONDS)
 
 
-def wait_or_leave(request: MPI.Request, leave: Callable[[], bool]) -> None:
+def wait_or_leave(request: MPI.Request, leave: Callable[[], bool],
+                  patience: float | None = None) -> None:
     """Complete ``request`` as :func:`wait` does, but in a caller's turn: ``leave()`` is asked
     between tests (every test while spinning is cheap, so there every 64th), and once it says True
-    the wait stops.
+    the wait stops. ``patience``: seconds of spinning after which the wait stops too, instead of
+    sleeping (a negotiation whose peers are not there yet: the coordinator thread, which waits
+    inside MPI and wakes at once, takes it over; a sleeping caller would wake up to
+    :data:`MAX_SLEEP_SECONDS` late).
 
     Raises:
-        LeftTurn: ``leave()`` returned True before the request completed (it is still pending:
-            whoever runs the next cycle must complete it).
+        LeftTurn: ``leave()`` returned True, or ``patience`` ran out, before the request completed
+            (it is still pending: whoever runs the next cycle must complete it).
     """
     test = request.Test
     if test():
         return
-    deadline = time.perf_counter() + SPIN_SECONDS
+    deadline = time.perf_counter() + (SPIN_SECONDS if patience is None else patience)
     spins = 0
     while time.perf_counter() < deadline:
         if test():
@@ -82,6 +87,8 @@ def wait_or_leave(request: MPI.Request, leave: Callable[[], bool]) -> None:
         spins += 1
         if not spins & 63 and leave():
             raise LeftTurn
+    if patience is not None:
+        raise LeftTurn
     pause = FIRST_SLEEP_SECONDS
     while not test():
         if leave():
