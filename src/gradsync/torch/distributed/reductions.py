@@ -78,7 +78,7 @@ def allreduce(pg: Any, tensors: Sequence[torch.Tensor], opts: Any, blocking: boo
         how = _reduction(pg, opts, tensors[0], "all_reduce")
         if how.fold is None:
             name = f"{pg.next_name('allreduce')}.0"
-            return pg.completer.finished(_submit_allreduce(pg, tensors[0], how, name, True), list(tensors))
+            return pg.completer.finished(_submit_allreduce(pg, tensors[0], how, name, True))
     pending, folds = _submit_each(pg, tensors, opts, "all_reduce", True)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:

@@ -367,6 +367,9 @@ class Completer:
         self._recent: collections.deque = collections.deque(maxlen=KEEP_ALIVE)
         self._deadlines = Deadlines(name, self._expire)
         self._expired = False  # a call timed out: its thread may wait for it for good
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result([])
+        self._waited = FutureWork(done)  # what finished() returns (a blocking call's Work)
 
     def work(self, pending: Sequence[Pending], finish: Finish,
              source: Callable[[], int] | None = None, timeout: float | None = None,
@@ -395,12 +398,13 @@ class Completer:
         self._expired = True
         self._callbacks.run(lambda: call.settle((None, call.timed_out())))
 
-    def finished(self, handle: Any, outputs: list[torch.Tensor]) -> FutureWork:
+    def finished(self, handle: Any) -> FutureWork:
         """A blocking call's Work (:class:`waited_at_once` said so), finished here: ``handle``
         waited for in this thread (running the cycle itself, caller runs) until the group's
-        timeout, then a completed Work of ``outputs`` (host tensors the collective wrote in place),
-        whose ``wait()`` torch calls next. No future chain, no callback thread: the blocking
-        call's fast path.
+        timeout, then a completed Work, whose ``wait()`` torch calls next and which it never hands
+        on (a blocking call returns None): the same one every time, for calls whose results the
+        collective wrote in place. No future chain, no callback thread: the blocking call's fast
+        path (a new Work per call cost 9 us of a 4 KiB call's 89).
 
         Raises:
             the collective's error (as ``wait()`` would); torch's DistBackendError when the group's
@@ -410,7 +414,7 @@ class Completer:
             handle.wait(self.timeout)
         except TimeoutError:
             raise timed_out(handle.name) from None
-        return self.done(outputs)
+        return self._waited
 
     def done(self, outputs: list[torch.Tensor]) -> FutureWork:
         """A ``Work`` already complete with ``outputs`` (a call that moves nothing)."""
