@@ -129,3 +129,12 @@ def test_a_group_calls_back_once_its_last_member_is_done():
     empty: list[object] = []
     GroupHandle("none", []).add_done_callback(lambda g: empty.append(g.name))
     assert empty == ["none"]
+
+
+def test_a_timed_wait_ends_at_its_deadline_however_long_the_runner_took():
+    handle = Handle("x")
+    handle.on_wait(lambda: None, lambda waited, deadline: time.sleep(max(0.0, deadline - time.monotonic())))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="'x'"):
+        handle.wait(0.3)  # the runner used the whole timeout: the gate gets what is left, nothing
+    assert time.monotonic() - start < 0.5

@@ -92,12 +92,13 @@ class Handle:
             gradsync.RankFailureError: another rank was lost (died, hung, or its coordinator
                 failed); the message names it.
         """
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         if self._runner is not None and not self._done:
-            self._runner(self, None if timeout is None else time.monotonic() + max(0.0, timeout))
+            self._runner(self, deadline)
         if self._hurry is not None and not self._done:
             self.waited = True
             self._hurry()
-        if not self._done and not self._pass_gate(timeout):
+        if not self._done and not self._pass_gate(None if deadline is None else deadline - time.monotonic()):
             raise TimeoutError(f"gradsync: collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error

@@ -184,3 +184,18 @@ def test_a_large_allreduce_in_the_callers_turn_is_left_to_the_coordinator_thread
     np.testing.assert_allclose(result, np.sum(everyone(n), 0))
     if gradsync.size() > 1:
         assert "gradsync-coordinator" in cycle_threads, cycle_threads
+
+
+def test_a_guarded_caller_leaves_a_parked_cycle_to_the_coordinator_thread():
+    # A cycle parked by one caller may block in MPI (a full negotiation, a large allreduce): a
+    # caller whose waits must stay leavable (failure detection on, above one rank) that finds one
+    # leaves it to the coordinator thread instead of running it with the lock held.
+    coordinator = gradsync.process.runtime.get().coordinator
+    ran: list[str] = []
+    with coordinator.lock:  # as a caller leaving its turn does, but without waking the thread
+        coordinator._parked = lambda: ran.append(threading.current_thread().name) or True
+    rank = gradsync.rank()
+    np.testing.assert_allclose(gradsync.allreduce(mine(rank, 8), name="cr.parked", op=gradsync.Sum),
+                               np.sum(everyone(8), 0))
+    guarded = coordinator.turns.guarded
+    assert ran == (["gradsync-coordinator"] if guarded else [threading.current_thread().name]), ran

@@ -284,6 +284,9 @@ class Coordinator:
         if self.queue.closed:  # the watchdog stopped gradsync: run no more collectives
             return False
         if self._parked is not None:  # a caller left a cycle in the middle: finish it first
+            if self.turns.waiter() is not None:  # not in a caller that must stay able to leave:
+                self.queue.wake()  # the rest may block in MPI (what it was parked for)
+                raise LeftTurn
             parked, self._parked = self._parked, None
             return parked()
         entries, shutdown = self.queue.take()
