@@ -391,12 +391,8 @@ class Negotiator:
             self.cached_cycles += 1
             return CycleReply(tuple(responses))
         if wait is not None:
-            return self._park_full(responses, shutdown, uncached, stall_any, pending)
+            raise Parked(lambda wait: self._full_after(responses, shutdown, uncached, stall_any, pending))
         return self._full_after(responses, shutdown, uncached, stall_any, pending)
-
-    def _park_full(self, responses: list[Response], shutdown: bool, uncached: list[Request],
-                   stall_any: bool, pending: Callable) -> CycleReply:
-        raise Parked(lambda wait: self._full_after(responses, shutdown, uncached, stall_any, pending))
 
     def _full_after(self, responses: list[Response], shutdown: bool, uncached: list[Request],
                     stall_any: bool, pending: Callable) -> CycleReply:
