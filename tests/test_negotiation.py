@@ -4,7 +4,7 @@ disagreement between ranks reports. Single process, no MPI: the cycles are fed b
 
 from __future__ import annotations
 
-from gradsync.engine.negotiation import MessageTable
+from gradsync.engine.message_table import MessageTable
 from gradsync.engine.protocol import Kind, RankMessage, ReduceOp, Request, Response
 
 
