@@ -209,6 +209,25 @@ def test_a_lone_contiguous_tensor_is_reduced_in_its_own_memory():
     assert not plan.in_place and plan.dtype == np.float32  # packed into a fusion buffer
 
 
+def test_a_lone_out_of_place_tensor_is_sent_from_its_input_where_the_backend_reads_a_source():
+    source, target = np.ones(6, np.float32), np.empty(6, np.float32)
+    source.flags.writeable = False  # read, never written
+    response = Response(Kind.ALLREDUCE, ("a",))
+    mpi = planning.Traits(reduces_from_source=True)
+    average = request("a", 6, op=ReduceOp.Average)
+    plan = planning.make_plan(response, [Member(average, source, target)], context(traits=mpi))
+    assert plan.in_place and plan.from_source and plan.packs == ()
+    assert plan.unpacks != ()  # the Average's scale, on the output
+    without = planning.make_plan(response, [Member(request("a", 6), source, target)], context())
+    assert not without.from_source and without.packs != ()  # copied into the output first
+    prescaled = planning.make_plan(response, [Member(request("a", 6, prescale=2.0), source, target)],
+                                   context(traits=mpi))
+    assert not prescaled.from_source and prescaled.packs != ()  # the prescale is applied in the copy
+    strided = np.ones(12, np.float32)[::2]
+    plan = planning.make_plan(response, [Member(request("a", 6), strided, target)], context(traits=mpi))
+    assert not plan.from_source and plan.packs != ()
+
+
 def test_a_lone_float16_tensor_is_packed_into_float32_on_mpi_but_not_on_nccl():
     x = np.ones(4, np.float16)
     response = Response(Kind.ALLREDUCE, ("h",))

@@ -110,6 +110,39 @@ def test_engine_average_in_place_is_the_sum_times_the_scale_bit_for_bit(case, ra
     assert all(other == everyone[0] for other in everyone), "ranks got different bits"
 
 
+@pytest.mark.parametrize("count", [3, 10_000])
+def test_shared_memory_reduces_from_a_source_into_the_buffer_leaving_the_source(case, rank, size, count):
+    """``source`` as MPI_Allreduce's sendbuf: a read-only input, the result in another buffer, the
+    same bits as in place (scaled too), the input unchanged."""
+    memory = _memory()
+    if size == 1:
+        return
+    inputs = all_inputs(case, "float32", (count,), gs.Sum)
+    source = inputs[rank].copy()
+    source.flags.writeable = False
+    out = np.full(count, np.nan, np.float32)
+    memory.allreduce(out, ReduceOp.Sum, scale=0.5, source=source)
+    in_place = inputs[rank].copy()
+    memory.allreduce(in_place, ReduceOp.Sum, scale=0.5)
+    memory.close()
+    assert out.tobytes() == in_place.tobytes()
+    assert source.tobytes() == inputs[rank].tobytes()
+
+
+@pytest.mark.parametrize("shape", [(5,), LARGE])
+@pytest.mark.parametrize("op", [gs.Average, gs.Sum])
+def test_engine_out_of_place_allreduce_of_a_read_only_input_leaves_it(case, rank, size, shape, op):
+    """A lone out-of-place allreduce is reduced from its input into its output (no copy of the
+    input first): small (MPI), large (shared memory): every rank's reduction, the input unchanged."""
+    inputs = all_inputs(case, "float64", shape, op)
+    given = inputs[rank].copy()
+    given.flags.writeable = False
+    got = gs.allreduce(given, name=case, op=op)
+    assert got is not given and got.flags.writeable
+    assert_array(got, reference_allreduce(inputs, op))
+    assert given.tobytes() == inputs[rank].tobytes()
+
+
 @pytest.mark.parametrize(("op", "combine"), [(ReduceOp.Sum, np.logical_or), (ReduceOp.Min, np.logical_and)])
 def test_shared_memory_reduces_bool_data_logically(case, rank, size, op, combine):
     memory = _memory()

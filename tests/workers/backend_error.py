@@ -9,7 +9,7 @@ gradsync.init()
 coordinator = gradsync.process.runtime.get().coordinator
 
 
-def failing_allreduce(buffer, op, logical=False):
+def failing_allreduce(buffer, op, logical=False, scale=1.0, source=None):
     raise RuntimeError("backend exploded")
 
 

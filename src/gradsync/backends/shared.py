@@ -181,9 +181,13 @@ class SharedMemory:
         return buffer.nbytes >= self.threshold and op in _UFUNCS and buffer.dtype.kind in _KINDS
 
     def allreduce(self, buffer: np.ndarray, op: ReduceOp, logical: bool = False,
-                  scale: float = 1.0, wait: Callable[[MPI.Request], None] | None = None) -> None:
+                  scale: float = 1.0, wait: Callable[[MPI.Request], None] | None = None,
+                  source: np.ndarray | None = None) -> None:
         """In-place allreduce of the contiguous 1-d ``buffer`` over the ranks; same semantics as
-        MPI_Allreduce with MPI_IN_PLACE (``logical``: 0/1 bool data). Only for what :meth:`takes`;
+        MPI_Allreduce with MPI_IN_PLACE (``logical``: 0/1 bool data), or with ``source`` as its
+        sendbuf (contiguous 1-d, ``buffer``'s dtype and length; read, never written: each rank's
+        contribution is read from it and the result written into ``buffer``, with the same
+        traffic as in place and no copy of ``source`` first). Only for what :meth:`takes`;
         blocks until every rank has its result. ``scale`` (floating ``buffer`` only): the result
         multiplied by it, as ``np.multiply(result, scale)`` after the allreduce would give, bit for
         bit, but applied by each rank to the slice it reduced while that slice is in its cache,
@@ -194,20 +198,24 @@ class SharedMemory:
         chunk = self.segment_bytes // buffer.dtype.itemsize
         ibarrier = self.local.Ibarrier
         barrier = (lambda: ibarrier().Wait()) if wait is None else (lambda: wait(ibarrier()))
+        source = buffer if source is None else source
         for start in range(0, buffer.shape[0], chunk):
-            self._reduce_chunk(buffer[start:start + chunk], ufunc, scale, barrier)
+            self._reduce_chunk(buffer[start:start + chunk], ufunc, scale, barrier,
+                               source[start:start + chunk])
 
     def _reduce_chunk(self, data: np.ndarray, ufunc: np.ufunc, scale: float,
-                      barrier: Callable[[], None]) -> None:
+                      barrier: Callable[[], None], source: np.ndarray) -> None:
+        """One chunk: this rank's contribution read from ``source`` (``data`` itself in place),
+        the result written into ``data``."""
         count, rank, size = data.shape[0], self.rank, self.size
         bounds = [count * r // size for r in range(size + 1)]
         segments = [s[:data.nbytes].view(data.dtype) for s in self.segments]
         mine = segments[rank]
         for r in self._peers:  # what the others reduce, where they read it
-            mine[bounds[r]:bounds[r + 1]] = data[bounds[r]:bounds[r + 1]]
+            mine[bounds[r]:bounds[r + 1]] = source[bounds[r]:bounds[r + 1]]
         barrier()
         lo, hi = bounds[rank], bounds[rank + 1]
-        terms = [data[lo:hi] if r == rank else segments[r][lo:hi] for r in range(size)]
+        terms = [source[lo:hi] if r == rank else segments[r][lo:hi] for r in range(size)]
         if size == 2:  # one op, straight into the result (x0 + x1 == x1 + x0, bit for bit)
             ufunc(terms[0], terms[1], out=data[lo:hi])
         else:  # in rank order, in this rank's own (otherwise unused) part of its segment

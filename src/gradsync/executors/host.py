@@ -68,6 +68,9 @@ class HostExecutor:
         if finish.send_op == ReduceOp.Adasum:
             received = self._received.get(plan.dtype, plan.count)
             adasum.reduce(buffer, received, plan.bounds, self.rank, self.size, self.backend.sendrecv)
+        elif plan.from_source:  # an out-of-place lone tensor, sent from its input
+            self.backend.allreduce(buffer, finish.send_op, finish.logical, finish.scale if folded else 1.0,
+                                   HOST.flat(plan.entries[0].source))
         elif folded:
             self.backend.allreduce(buffer, finish.send_op, finish.logical, finish.scale)
         else:

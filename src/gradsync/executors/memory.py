@@ -22,6 +22,9 @@ class Memory(Protocol):
     def contiguous(self, array: Any) -> bool:
         """Whether ``array`` is C-contiguous and writable: a backend may reduce it in place."""
 
+    def readable(self, array: Any, dtype: np.dtype) -> bool:
+        """Whether ``array`` is C-contiguous and of ``dtype``: a backend may send from its memory."""
+
     def flat(self, array: Any) -> Any:
         """A 1-d view of the C-contiguous ``array``, sharing its memory."""
 
@@ -39,6 +42,9 @@ class HostMemory:
 
     def contiguous(self, array: np.ndarray) -> bool:
         return array.flags.c_contiguous and array.flags.writeable
+
+    def readable(self, array: np.ndarray, dtype: np.dtype) -> bool:
+        return array.flags.c_contiguous and array.dtype == dtype
 
     def flat(self, array: np.ndarray) -> np.ndarray:
         return array.reshape(-1)
@@ -68,6 +74,9 @@ class DeviceMemory:
 
     def contiguous(self, array: Any) -> bool:
         return self.runtime.is_contiguous(array)
+
+    def readable(self, array: Any, dtype: np.dtype) -> bool:
+        return False  # no device backend reads a separate source (Traits.reduces_from_source)
 
     def flat(self, array: Any) -> Any:
         return self.runtime.flat(array)

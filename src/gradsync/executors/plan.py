@@ -27,11 +27,14 @@ from .memory import Memory
 @dataclasses.dataclass(frozen=True)
 class Traits:
     """What a backend reduces natively: the dtypes it reduces as they are (others are widened,
-    :func:`gradsync.arrays.dtypes.accumulator`), and the buffer dtypes whose Average it divides itself
-    (NCCL's ncclAvg, which divides by the communicator's size)."""
+    :func:`gradsync.arrays.dtypes.accumulator`), the buffer dtypes whose Average it divides itself
+    (NCCL's ncclAvg, which divides by the communicator's size), and whether its allreduce reads
+    its data from a separate source buffer (MPI_Allreduce's sendbuf): then a lone out-of-place
+    allreduce is reduced from its input straight into its output, with no copy of the input first."""
 
     native: frozenset[str] = dtypes.MPI_NATIVE
     averages: frozenset[str] = frozenset()
+    reduces_from_source: bool = False
 
 
 class Context(NamedTuple):
@@ -101,6 +104,7 @@ class FusionPlan(NamedTuple):
     rows: tuple[int, ...] = ()
     reduction: Reduction | None = None
     root: int = -1
+    from_source: bool = False  # a lone allreduce's backend reads the member's source, writes the buffer
 
     @property
     def result_in_buffer(self) -> bool:
@@ -171,10 +175,15 @@ def _allreduce(response: Response, entries: list, context: Context) -> FusionPla
         return FusionPlan(Kind.ALLREDUCE, tuple(entries), dtype, sum(counts), False, copies, copies,
                           reduction=finish)
     only = entries[0]
-    packs = copies if only.source is not only.target or finish.prescale != 1.0 else ()
+    separate = only.source is not only.target
+    # The source-to-output rule, written once: an out-of-place lone allreduce without a prescale
+    # is sent from its input and received in its output where the backend reads a source.
+    from_source = (separate and finish.prescale == 1.0 and context.traits.reduces_from_source
+                   and finish.send_op != ReduceOp.Adasum and context.memory.readable(only.source, dtype))
+    packs = copies if separate and not from_source or finish.prescale != 1.0 else ()
     unpacks = copies if finish.scale != 1.0 or finish.floor_divisor != 1 else ()
     return FusionPlan(Kind.ALLREDUCE, (only,), dtype, counts[0], True, packs, unpacks,
-                      reduction=finish)
+                      reduction=finish, from_source=from_source)
 
 
 def _reducescatter(response: Response, entries: list, context: Context) -> FusionPlan:
