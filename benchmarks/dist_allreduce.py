@@ -5,8 +5,11 @@
 One launch: torch.distributed's default group on gloo (a TCP rendezvous on 127.0.0.1) and a group of
 every rank on gradsync's backend (``new_group(backend="gradsync")``, docs/torch-distributed.md).
 Each iteration times, in turn, a float32 SUM ``dist.all_reduce`` of ``--bytes`` on the gradsync
-group, the same on gloo, ``gradsync.allreduce_`` under one name (the engine's own path, response
-cache warm) and ``comm.Allreduce`` on MPI_COMM_WORLD; each call starts right after an MPI barrier and
+group, the same on gloo, the same on a *direct* group (a Python process group defined here whose
+``allreduce`` calls ``MPI_Allreduce`` on the tensor's memory and returns one completed Work: no
+engine, no negotiation, no checks; the floor of any ``torch.distributed`` backend written in
+Python over MPI), ``gradsync.allreduce_`` under one name (the engine's own path, response cache
+warm) and ``comm.Allreduce`` on MPI_COMM_WORLD; each call starts right after an MPI barrier and
 an iteration's time is the slowest rank's. Rank 0 prints the median and the 90th percentile of each
 (milliseconds) and each one's ratio to raw MPI. Issue 35's target: the gradsync row <= 0.1 ms at 4 KiB.
 """
@@ -27,6 +30,37 @@ from mpi4py import MPI
 
 import gradsync
 import gradsync.torch  # noqa: F401  (registers backend "gradsync")
+
+
+class _Done(dist.Work):
+    """A Work that is already complete (the direct group's, reused by every call)."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class DirectGroup(dist.ProcessGroup):
+    """The floor row's process group: ``allreduce`` (SUM) is ``MPI_Allreduce`` in place, nothing else."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.done = _Done()
+
+    def allreduce(self, tensors, opts=None):
+        for tensor in tensors if isinstance(tensors, list) else [tensors]:
+            self.comm.Allreduce(MPI.IN_PLACE, tensor.numpy())
+        return self.done
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "direct"
+
+
+def _direct(opts, pg_options=None) -> DirectGroup:
+    return DirectGroup(opts.group_rank, opts.group_size)
 
 
 def timed(world: MPI.Comm, call) -> float:
@@ -52,12 +86,15 @@ def main() -> None:
     port = world.bcast(29500 + os.getpid() % 1000, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     group = dist.new_group(backend="gradsync")
+    dist.Backend.register_backend("direct", _direct, extended_api=True, devices=["cpu"])
+    direct = dist.new_group(backend="direct")
     count = parse_bytes(args.bytes) // 4
     tensor = torch.ones(count, dtype=torch.float32)
     array = np.ones(count, dtype=np.float32)
     calls = {
         "dist.all_reduce, gradsync": lambda: dist.all_reduce(tensor, group=group),
         "dist.all_reduce, gloo": lambda: dist.all_reduce(tensor),
+        "dist.all_reduce, direct": lambda: dist.all_reduce(tensor, group=direct),
         "gradsync.allreduce_": lambda: gradsync.allreduce_(array, name="latency", op=gradsync.Sum),
         "MPI Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, array),
     }

@@ -20,7 +20,9 @@ One configuration per launch (``KERAS_BACKEND`` chooses the backend):
     KERAS_BACKEND=tensorflow mpiexec -n 2 python benchmarks/keras_step.py --mode mwms
 
 ``gradsync`` wraps the optimizer in ``gradsync.keras.DistributedOptimizer`` (and broadcasts the
-initial variables); ``mwms`` builds and compiles the model in
+initial variables); ``lockstep`` trains as one process alone, under ``mpiexec``, with an
+``MPI_Barrier`` after every step (mpi4py, no gradsync): it moves no data, so it is the floor of any
+synchronous step, the ranks waiting for the slower one each step; ``mwms`` builds and compiles the model in
 ``tf.distribute.MultiWorkerMirroredStrategy`` with one worker per process on localhost
 (``TF_CONFIG`` made from the launcher's rank, ports from ``--port``), its CPU collectives on the
 ring (gRPC) implementation; each worker trains on its own batch of ``--batch``. The floor is
@@ -134,6 +136,10 @@ def measure(mode: str, steps: int, warmup: int, batch: int) -> None:
     if mode == "gradsync":  # before the train step is traced
         breakdown.install(backend)
     model, rank = build(mode)
+    if mode == "lockstep":
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
     rng = np.random.default_rng(rank)
     x = rng.random((batch, SIZES[0]), dtype=np.float32)
     y = rng.random((batch, SIZES[-1]), dtype=np.float32)
@@ -142,8 +148,10 @@ def measure(mode: str, steps: int, warmup: int, batch: int) -> None:
 
         model.train_on_batch(x, y)  # builds the optimizer's variables, then everyone starts from rank 0's
         hvd.broadcast_variables(model.variables + model.optimizer.variables, root_rank=0)
-    benchenv.print_step_medians(breakdown.per_step(lambda: model.train_on_batch(x, y)), steps, warmup,
-                                rank)
+    step = lambda: model.train_on_batch(x, y)  # noqa: E731
+    if mode == "lockstep":
+        step = lambda: (model.train_on_batch(x, y), MPI.COMM_WORLD.Barrier())  # noqa: E731
+    benchenv.print_step_medians(breakdown.per_step(step), steps, warmup, rank)
     if mode == "gradsync" and rank == 0:
         print(breakdown.line(steps), flush=True)
 
@@ -155,6 +163,7 @@ def configs(backends: list[str], ranks: int, baseline: bool = False) -> list[tup
     for backend in backends:
         rows += [(f"{backend}: one process alone", backend, "single", 1, ""),
                  (f"{backend}: {ranks} single processes (floor)", backend, "single", -ranks, "alone"),
+                 (f"{backend}: lockstep, {ranks} ranks, no data", backend, "lockstep", ranks, "floor"),
                  (f"{backend}: gradsync, {ranks} ranks", backend, "gradsync", ranks, "floor")]
         if baseline:
             rows.append((f"{backend}: gradsync, {ranks} ranks, {benchenv.BASELINE}", backend, "gradsync",
@@ -220,7 +229,7 @@ def row(label: str, backend: str, against: str, rows, results, cpu, args) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["single", "gradsync", "mwms"], default="gradsync")
+    parser.add_argument("--mode", choices=["single", "lockstep", "gradsync", "mwms"], default="gradsync")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per launch")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
