@@ -65,7 +65,7 @@ class MpiBackend:
     """
 
     #: What MPI reduces natively (everything but the 16-bit floats; Average is a Sum, divided
-    #: after); its allreduce reads a separate source (MPI_Allreduce's sendbuf).
+    #: after); its allreduce takes a separate source (read in place by the shared-memory path).
     traits = Traits(reduces_from_source=True)
     #: The most elements (of the call's datatype) one MPI call moves, and the largest displacement.
     max_count = 2**31 - 1
@@ -115,10 +115,13 @@ class MpiBackend:
                   scale: float = 1.0, source: np.ndarray | None = None) -> None:
         """Allreduce into the contiguous 1-d ``buffer``, in place (same semantics as MPI_Allreduce
         with MPI_IN_PLACE), or of ``source`` (contiguous 1-d, ``buffer``'s dtype and length, left
-        unchanged: MPI_Allreduce's sendbuf); ``logical`` for 0/1 bool data. Split into chunks of
-        at most :attr:`max_count` elements. Through shared memory where it takes the buffer (the
-        same result, every rank identical: :mod:`gradsync.backends.shared`). ``scale``: the
-        result multiplied by it, only where :meth:`scales_in_allreduce` (else ValueError)."""
+        unchanged, as MPI_Allreduce's sendbuf); ``logical`` for 0/1 bool data. Split into chunks
+        of at most :attr:`max_count` elements. Through shared memory where it takes the buffer
+        (the same result, every rank identical: :mod:`gradsync.backends.shared`), which reads
+        ``source`` where it lies; MPI itself always gets MPI_IN_PLACE (``source`` copied into
+        ``buffer`` first): MPI defines the in-place form only when every rank passes it, and
+        whether a rank has a source depends on its own tensor's layout. ``scale``: the result
+        multiplied by it, only where :meth:`scales_in_allreduce` (else ValueError)."""
         shared = self.shared is not None and self.shared.takes(buffer, op)
         if scale != 1.0 and not (shared and buffer.dtype.kind == "f"):  # scales_in_allreduce
             raise ValueError(f"MpiBackend.allreduce: scale={scale} on a path that does not scale "
@@ -126,19 +129,16 @@ class MpiBackend:
         if shared:
             self.shared.allreduce(buffer, op, logical, scale, self.wait, source)
             return
+        if source is not None:  # MPI_IN_PLACE on every rank: whether a rank has a separate source
+            np.copyto(buffer, source)  # depends on its own tensor's layout, MPI's in-place form on all
         mpi_op = _MPI_OPS[LOGICAL_OPS[op] if logical else op]
-        if source is not None and self.local is not None:  # the hierarchy reduces in place
-            np.copyto(buffer, source)
-            source = None
-        chunks = self._chunks(buffer)
-        sources = [MPI.IN_PLACE] * len(chunks) if source is None else self._chunks(source)
-        for chunk, send in zip(chunks, sources):
+        for chunk in self._chunks(buffer):
             if self.local is None:
                 if chunk.nbytes <= NONBLOCKING_BYTES:  # the same form on every rank (module doc)
-                    request = self.comm.Iallreduce(send, chunk, op=mpi_op)
+                    request = self.comm.Iallreduce(MPI.IN_PLACE, chunk, op=mpi_op)
                     request.Wait() if self.wait is None else self.wait(request)
                     continue
-                self.comm.Allreduce(send, chunk, op=mpi_op)
+                self.comm.Allreduce(MPI.IN_PLACE, chunk, op=mpi_op)
             else:
                 self._hierarchical_allreduce(chunk, mpi_op)
 

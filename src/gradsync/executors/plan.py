@@ -29,8 +29,9 @@ class Traits:
     """What a backend reduces natively: the dtypes it reduces as they are (others are widened,
     :func:`gradsync.arrays.dtypes.accumulator`), the buffer dtypes whose Average it divides itself
     (NCCL's ncclAvg, which divides by the communicator's size), and whether its allreduce reads
-    its data from a separate source buffer (MPI_Allreduce's sendbuf): then a lone out-of-place
-    allreduce is reduced from its input straight into its output, with no copy of the input first."""
+    its data from a separate source buffer (the shared-memory path reads each rank's input where
+    it lies): then a lone out-of-place allreduce is reduced from its input straight into its
+    output, with no copy of the input first."""
 
     native: frozenset[str] = dtypes.MPI_NATIVE
     averages: frozenset[str] = frozenset()
