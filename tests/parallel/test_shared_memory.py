@@ -143,6 +143,43 @@ def test_engine_out_of_place_allreduce_of_a_read_only_input_leaves_it(case, rank
     assert given.tobytes() == inputs[rank].tobytes()
 
 
+class _Recorded:
+    """The backend's communicator, recording the send argument of every allreduce."""
+
+    def __init__(self, comm):
+        self.comm, self.sends = comm, []
+
+    def Allreduce(self, send, *args, **kwargs):  # noqa: N802 - mpi4py's names
+        self.sends.append(send)
+        return self.comm.Allreduce(send, *args, **kwargs)
+
+    def Iallreduce(self, send, *args, **kwargs):  # noqa: N802
+        self.sends.append(send)
+        return self.comm.Iallreduce(send, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+@pytest.mark.parametrize("count", [1000, 40_000])  # MPI_Iallreduce, blocking MPI_Allreduce
+def test_mpi_gets_the_in_place_form_on_every_rank_whatever_each_ranks_input(case, rank, size, count):
+    """Rank 0 reduces in place, the others out of place (each rank's own choice): MPI defines
+    MPI_IN_PLACE only when every rank passes it, so every rank passes it."""
+    backend = runtime.get().backend
+    recorded = _Recorded(backend.comm)
+    inputs = all_inputs(case, "float32", (count,), gs.Sum)
+    given = inputs[rank].copy()
+    backend.comm = recorded
+    try:
+        got = gs.allreduce_(given, name=case, op=gs.Sum) if rank == 0 else gs.allreduce(given, name=case,
+                                                                                          op=gs.Sum)
+    finally:
+        backend.comm = recorded.comm
+    assert_array(got, reference_allreduce(inputs, gs.Sum))
+    data = [send for send in recorded.sends if send is not MPI.IN_PLACE]
+    assert not data, f"rank {rank} sent from a separate buffer"
+
+
 @pytest.mark.parametrize(("op", "combine"), [(ReduceOp.Sum, np.logical_or), (ReduceOp.Min, np.logical_and)])
 def test_shared_memory_reduces_bool_data_logically(case, rank, size, op, combine):
     memory = _memory()
