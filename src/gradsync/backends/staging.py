@@ -12,6 +12,7 @@ not return to the framework's pinned pool while a copy still reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -27,7 +28,8 @@ class StagingBackend:
     """Device collectives through pinned host buffers and MPI; see the module docstring."""
 
     name = "MPI (staged through pinned host memory)"
-    traits = MpiBackend.traits
+    #: MPI's dtypes; a device tensor's input is staged whole (no separate source is read).
+    traits = dataclasses.replace(MpiBackend.traits, reduces_from_source=False)
     closed: str | None = None  # never closed by an error: MPI reports its errors itself
 
     def __init__(self, mpi: MpiBackend) -> None:
