@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import os
 import threading
 import time
 
@@ -68,6 +69,37 @@ def test_the_rendezvous_refuses_a_rank_other_than_gradsyncs(rank, size):
     with raises(ValueError, "rank=", f"gradsync's rank is {rank}"):
         next(rendezvous("gradsync://", rank=rank + 1, world_size=size))
     assert (got_rank, got_size) == (rank, size)
+
+
+def test_the_rendezvous_sets_torchruns_rank_variables_for_code_that_reads_them(rank, size):
+    """After init_process_group, as under torchrun: a script's ``os.environ["LOCAL_RANK"]`` and
+    torch's own ``get_node_local_rank()`` give this rank's place (no port, no GROUP_RANK)."""
+    assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(size)
+    assert os.environ["LOCAL_RANK"] == str(gradsync.local_rank())
+    assert os.environ["LOCAL_WORLD_SIZE"] == str(gradsync.local_size())
+    assert dist.get_node_local_rank() == gradsync.local_rank()
+    assert "MASTER_PORT" not in os.environ and "GROUP_RANK" not in os.environ
+
+
+def test_the_rendezvous_leaves_a_variable_someone_else_set_and_updates_its_own(rank):
+    from gradsync.torch import distributed as backend
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    environ, exported = {n: os.environ.get(n) for n in names}, dict(backend._exported)
+    try:
+        os.environ["LOCAL_RANK"] = "7"  # the user's own value
+        backend._exported["RANK"] = os.environ["RANK"] = "99"  # an earlier rendezvous's (an elastic reset)
+        backend.export_launcher_variables(rank, 5, 3, 4)
+        assert os.environ["LOCAL_RANK"] == "7"
+        assert [os.environ[n] for n in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == [str(rank), "5", "4"]
+    finally:
+        backend._exported.clear()
+        backend._exported.update(exported)
+        for name, value in environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def test_nothing_is_registered_where_torch_distributed_is_unavailable(monkeypatch):

@@ -4,7 +4,8 @@
     dist.init_process_group(backend="gradsync", init_method="gradsync://")
 
 needs no MASTER_ADDR, no port and no torchrun variables: rank and world size are gradsync's (the
-rendezvous calls ``gradsync.init()`` if needed). Every call of the group submits to gradsync's
+rendezvous calls ``gradsync.init()`` if needed), and it sets torchrun's rank variables for code
+that reads them afterwards (:func:`export_launcher_variables`). Every call of the group submits to gradsync's
 engine; docs/torch-distributed.md lists what works and what does not yet.
 
 ``import gradsync.torch`` calls :func:`register`, which only records two functions with torch;
@@ -14,6 +15,7 @@ the process group's modules are imported when torch first creates a group.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -48,9 +50,30 @@ def _create(opts: Any, pg_options: Any = None) -> Any:
     return create(opts, pg_options)
 
 
+#: torchrun's variables that the rendezvous sets (:func:`export_launcher_variables`), with the
+#: values it set them to: a later rendezvous (after an elastic reset) updates only these.
+_exported: dict[str, str] = {}
+
+
+def export_launcher_variables(rank: int, size: int, local_rank: int, local_size: int) -> None:
+    """Set torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` in
+    ``os.environ`` to gradsync's values (decimal strings), where they are unset or still hold what
+    an earlier call set: code that reads them after ``init_process_group`` (a script's
+    ``int(os.environ["LOCAL_RANK"])``, ``torch.distributed.get_node_local_rank()``) gets this
+    rank's place. A value set by someone else (the user, torchrun) is left as it is. Neither
+    ``MASTER_ADDR``/``MASTER_PORT`` (nothing listens on a port) nor ``GROUP_RANK`` is set:
+    with all of ``RANK``, ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` Lightning would
+    take the process for one of torchrun's and rendezvous through ``MASTER_ADDR``."""
+    for name, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
+                        ("LOCAL_WORLD_SIZE", local_size)):
+        if name not in os.environ or os.environ[name] == _exported.get(name):
+            os.environ[name] = _exported[name] = str(value)
+
+
 def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     """``init_method="gradsync://"``: gradsync's rank and size, and a process-local store (the
-    backend exchanges nothing through it: c10d keeps its bookkeeping there).
+    backend exchanges nothing through it: c10d keeps its bookkeeping there). Sets torchrun's
+    rank variables where unset (:func:`export_launcher_variables`).
 
     Raises:
         ValueError: a ``rank`` or ``world_size`` (given to ``init_process_group``) other than gradsync's.
@@ -67,4 +90,5 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
         if query.get(key, -1) not in (-1, mine):
             raise ValueError(f"gradsync://: {key}={query[key]} was given, but gradsync's {key} is "
                              f"{mine} (leave it out: it comes from the MPI launcher)")
+    export_launcher_variables(rank, size, runtime.local_rank(), runtime.local_size())
     yield dist.HashStore(), rank, size
