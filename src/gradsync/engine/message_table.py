@@ -4,7 +4,7 @@ that every rank agrees on a collective.
 In a full negotiation (:mod:`gradsync.engine.negotiation`) every rank sends rank 0 the requests it
 has not sent before; rank 0's :class:`MessageTable` records them by name (each rank's request)
 and, once the last rank's request for a name has arrived, checks that the ranks agree on it
-(:func:`disagreement`: kind, dtype, op, root, scales, group, device, shape) and answers it: an
+(:func:`_disagreement`: kind, dtype, op, root, scales, group, device, shape) and answers it: an
 error naming each rank's value, or a response; ready allreduces are fused
 (:mod:`gradsync.engine.fusion`). The members of a group are held until the whole group is ready
 everywhere, then answered as one response. Ranks that called join() count as submitted (except
@@ -164,7 +164,7 @@ class MessageTable:
                 responses.append(self._group_response(name, representative))
                 continue
             slots, first = self._take(name, representative)
-            error = disagreement(slots, self.world)
+            error = _disagreement(slots, self.world)
             if error is None and first.kind == Kind.BROADCAST and first.root in joined:
                 error = (f"broadcast {name!r}: its root rank {self.world[first.root]} has called join() and "
                          "cannot broadcast")
@@ -206,7 +206,7 @@ class MessageTable:
         first_dims = []
         for name in names:
             slots, first = self._take(name, representative)
-            error = error or disagreement(slots, self.world)
+            error = error or _disagreement(slots, self.world)
             first_dims.append(_first_dims(slots))
         if error is None and len(names) != first.group_size:
             error = f"its ranks submitted {len(names)} members in all"
@@ -227,7 +227,7 @@ def _first_dims(slots: list[Request | None]) -> tuple[int, ...]:
     return tuple(0 if slot is None or not slot.shape else slot.shape[0] for slot in slots)
 
 
-def disagreement(slots: list[Request | None], world: tuple[int, ...]) -> str | None:
+def _disagreement(slots: list[Request | None], world: tuple[int, ...]) -> str | None:
     """An error message if the ranks' requests for one name disagree, else None (ranks that
     joined and did not submit it are left out). ``world[i]`` is the world rank of slot ``i``: the
     message names world ranks, also as root ranks."""
