@@ -68,10 +68,13 @@ class HostExecutor:
         if finish.send_op == ReduceOp.Adasum:
             received = self._received.get(plan.dtype, plan.count)
             adasum.reduce(buffer, received, plan.bounds, self.rank, self.size, self.backend.sendrecv)
-        else:  # an out-of-place lone tensor is reduced from its input (plan.from_source)
-            source = HOST.flat(plan.entries[0].source) if plan.from_source else None
+        elif plan.from_source:  # an out-of-place lone tensor, sent from its input
             self.backend.allreduce(buffer, finish.send_op, finish.logical, finish.scale if folded else 1.0,
-                                   source)
+                                   HOST.flat(plan.entries[0].source))
+        elif folded:
+            self.backend.allreduce(buffer, finish.send_op, finish.logical, finish.scale)
+        else:
+            self.backend.allreduce(buffer, finish.send_op, finish.logical)
         phases.append(("ALLREDUCE", time.perf_counter_ns()))
         if not folded:
             unpack(plan, HOST, buffer)
