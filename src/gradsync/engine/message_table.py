@@ -14,15 +14,13 @@ for join itself), and the stall inspector's reports are built here from what eve
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Iterable
 
 from . import fusion, joins
-from .protocol import CycleReply, Kind, RankMessage, Request, Response
+from .protocol import GROUP, CycleReply, Kind, RankMessage, Request, Response
 from .stall_inspector import StallInspector
 
-_GROUP = operator.attrgetter("group")
 log = logging.getLogger("gradsync")
 
 # Fields on which every rank must agree, with the word used in error messages.
@@ -62,7 +60,7 @@ class MessageTable:
         for rank, message in enumerate(messages):
             if message.shutdown:
                 shutdown_ranks.append(rank)
-            grouped = grouped or any(map(_GROUP, message.requests))
+            grouped = grouped or any(map(GROUP, message.requests))
             for request in message.requests:
                 slots = self._requests.get(request.name)
                 if slots is None:

@@ -23,7 +23,6 @@ were produced in.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -32,12 +31,11 @@ from mpi4py import MPI
 from ..config import Config
 from . import fusion, joins, waiting
 from .message_table import MessageTable
-from .protocol import CycleReply, Kind, RankMessage, Request, Response
+from .protocol import GROUP, CycleReply, Kind, RankMessage, Request, Response
 from .response_cache import Lookup, ResponseCache, bits_from_list, bits_to_words, iter_bits, set_bits
 from .stall_inspector import StallInspector
 
 _UNCACHED_FLAG, _SHUTDOWN_FLAG, _STALL_FLAG = 1, 2, 4
-_GROUP = operator.attrgetter("group")
 
 
 class Parked(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -102,7 +100,7 @@ class Negotiator:
         Raises:
             Parked: only with ``wait`` (see above).
         """
-        if self._partial or any(map(_GROUP, requests)):
+        if self._partial or any(map(GROUP, requests)):
             requests = self._submitted_groups(requests)
         if self.cache is None:
             message = RankMessage(shutdown, requests, stall, pending() if stall else None)

@@ -111,6 +111,10 @@ assert Request._fields[10:] == ("group", "group_size", "device", "refuse_join") 
 #: :meth:`Request.fusion_key` as one C call (the cached cycle computes it for every ready allreduce).
 FUSION_KEY = operator.attrgetter("dtype", "op", "prescale", "postscale", "device")
 
+#: A request's group name ("" outside a group) as one C call: ``any(map(GROUP, requests))`` tells
+#: whether a cycle's requests hold a group member (negotiation, rank 0's message table).
+GROUP = operator.attrgetter("group")
+
 
 class Response(NamedTuple):
     """What every rank does next, in the same order on every rank.
