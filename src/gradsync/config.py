@@ -134,11 +134,11 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "wait_policy", str, "mpi", "name",
-        "How a rank waits in a negotiation exchange for ranks that have not reached it: 'mpi' (the "
-        "blocking MPI_Allreduce: the MPI's own wait, which polls) or 'sleep' (a nonblocking "
-        "MPI_Iallreduce, tested for 50 us, then tested between sleeps of 20 us doubling up to 0.5 ms, "
-        "leaving the core free meanwhile; measured no faster here, see docs/configuration.md). Data "
-        "collectives always block. Must be the same on every rank.",
+        "How a rank waits in a negotiation exchange (a nonblocking MPI_Iallreduce) for ranks that "
+        "have not reached it: 'mpi' (MPI_Wait: the MPI's own wait, which polls) or 'sleep' (tested "
+        "for 50 us, then tested between sleeps of 20 us doubling up to 0.5 ms, leaving the core free "
+        "meanwhile; measured no faster here, see docs/configuration.md). Data collectives always "
+        "wait inside MPI. Must be the same on every rank.",
         check=one_of(*WAIT_POLICIES),
         must_match="a nonblocking exchange matches no blocking one",
     ),
