@@ -12,6 +12,14 @@ Python over MPI), ``gradsync.allreduce_`` under one name (the engine's own path,
 warm) and ``comm.Allreduce`` on MPI_COMM_WORLD; each call starts right after an MPI barrier and
 an iteration's time is the slowest rank's. Rank 0 prints the median and the 90th percentile of each
 (milliseconds) and each one's ratio to raw MPI. Issue 35's target: the gradsync row <= 0.1 ms at 4 KiB.
+
+``--phases`` also times the gradsync row's parts on rank 0 (wrappers around a few of the engine's
+methods, which add about a microsecond each to every gradsync row of that launch): torch's
+``dist.all_reduce`` up to the group's ``allreduce``, the group's own Python (the call's name, the
+reduction) up to ``allreduce_async_``, the submission (checks, the entry) and its queueing, the way
+to the cycle, the negotiation (its one small ``MPI_Iallreduce`` when cached), the planning up to
+the data's MPI call, that call, the completion back to the group's return, and the way back to the
+caller; it prints each part's median in microseconds.
 """
 
 from __future__ import annotations
@@ -63,6 +71,73 @@ def _direct(opts, pg_options=None) -> DirectGroup:
     return DirectGroup(opts.group_rank, opts.group_size)
 
 
+class Phases:
+    """``--phases``: timestamps at the boundaries of a gradsync ``dist.all_reduce`` (wrappers
+    around the engine's methods named in :data:`BOUNDS`), split into the parts of :data:`PARTS`."""
+
+    #: (object, method, stamp on entry, stamp on return)
+    BOUNDS = (("group", "allreduce", "group", "group_returned"),
+              ("ops", "allreduce_async_", "submitting", None),
+              ("coordinator", "submit_group", "queueing", "queued"),
+              ("negotiation", "cycle", "negotiating", "negotiated"),
+              ("mpi", "allreduce", "data", "data_done"))
+    PARTS = (("torch's dist.all_reduce, to the group", "start", "group"),
+             ("the group's Python: name, reduction", "group", "submitting"),
+             ("submission: checks, entry, handle", "submitting", "queueing"),
+             ("queueing", "queueing", "queued"),
+             ("to the cycle (wait, take, stall check)", "queued", "negotiating"),
+             ("negotiation (cached: one MPI_Iallreduce)", "negotiating", "negotiated"),
+             ("planning, to the data's MPI call", "negotiated", "data"),
+             ("the data: MPI_Iallreduce and its wait", "data", "data_done"),
+             ("completion, to the group's return", "data_done", "group_returned"),
+             ("back to the caller", "group_returned", "end"))
+
+    def __init__(self) -> None:
+        from gradsync.backends import mpi
+        from gradsync.engine import coordinator, negotiation
+        from gradsync.torch.distributed import group
+
+        owners = {"group": group.GradsyncProcessGroup, "ops": gradsync.ops,
+                  "coordinator": coordinator.Coordinator, "negotiation": negotiation.Negotiator,
+                  "mpi": mpi.MpiBackend}
+        self.stamps: dict[str, int] = {}
+        self.parts: dict[str, list[float]] = {label: [] for label, *_ in self.PARTS}
+        for owner, method, entered, returned in self.BOUNDS:
+            self._wrap(owners[owner], method, entered, returned)
+
+    def _wrap(self, owner, method: str, entered: str, returned: str | None) -> None:
+        wrapped, stamps, clock = getattr(owner, method), self.stamps, time.perf_counter_ns
+
+        def timed_call(*args, **kwargs):
+            stamps[entered] = clock()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                if returned is not None:
+                    stamps[returned] = clock()
+        setattr(owner, method, timed_call)
+
+    def call(self, call):
+        """``call`` with the start and end stamped; the parts recorded afterwards by :meth:`record`."""
+        def stamped():
+            self.stamps.clear()
+            self.stamps["start"] = time.perf_counter_ns()
+            call()
+            self.stamps["end"] = time.perf_counter_ns()
+        return stamped
+
+    def record(self) -> None:
+        for label, start, end in self.PARTS:
+            if start in self.stamps and end in self.stamps:
+                self.parts[label].append((self.stamps[end] - self.stamps[start]) / 1e3)
+
+    def print(self) -> None:
+        print("\nwhere a gradsync dist.all_reduce spends its time (rank 0, median us, --phases):")
+        for label, values in self.parts.items():
+            if values:
+                print(f"  {label:<44}{statistics.median(values):>8.1f}")
+
+
 def timed(world: MPI.Comm, call) -> float:
     """The slowest rank's seconds for ``call()``, started right after a barrier."""
     world.Barrier()
@@ -77,6 +152,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--phases", action="store_true", help="also time the gradsync row's parts")
     args = parser.parse_args()
     environ = dict(os.environ)
     torch.set_num_threads(1)
@@ -98,6 +174,9 @@ def main() -> None:
         "gradsync.allreduce_": lambda: gradsync.allreduce_(array, name="latency", op=gradsync.Sum),
         "MPI Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, array),
     }
+    phases = Phases() if args.phases else None
+    if phases is not None:
+        calls["dist.all_reduce, gradsync"] = phases.call(calls["dist.all_reduce, gradsync"])
     times: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(args.warmup + args.iters):
         for name, call in calls.items():
@@ -109,6 +188,8 @@ def main() -> None:
                 raise SystemExit(f"rank {rank}: {name} gave {result}, expected {size}")
             if i >= args.warmup:
                 times[name].append(seconds * 1e3)
+                if phases is not None and name == "dist.all_reduce, gradsync":
+                    phases.record()
     dist.destroy_process_group()
     if rank != 0:
         return
@@ -121,6 +202,8 @@ def main() -> None:
         median, p90 = statistics.median(values), statistics.quantiles(values, n=10)[-1]
         rows.append({"call": name, "median_ms": median, "p90_ms": p90, "vs_mpi": median / raw})
         print(f"{name:<28}{median:>12.4f}{p90:>10.4f}{median / raw:>10.1f}")
+    if phases is not None:
+        phases.print()
     if args.csv:
         benchenv.write_csv(args.csv, rows, benchenv.environment(size, environ))
 
