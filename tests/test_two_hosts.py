@@ -12,7 +12,7 @@ import re
 import pytest
 
 from cluster import run_two_hosts, start_namespaces, stop_namespaces, veth_bytes
-from mpi_launch import assert_trained_like_one_process, verdicts
+from mpi_launch import assert_trained_like_one_process, reports, verdicts
 
 pytestmark = [pytest.mark.mpi, pytest.mark.full]  # the full suite only: tests/conftest.py
 
@@ -66,6 +66,18 @@ def test_hierarchical_training_on_two_hosts_equals_single_process_training():
     out = run_two_hosts(2, "train_equivalence.py",
                         env={"GRADSYNC_HIERARCHICAL_ALLREDUCE": "1"}).stdout
     assert_trained_like_one_process(out, 4)
+
+
+@pytest.mark.torch
+def test_torch_ddp_on_the_gradsync_backend_across_two_hosts_equals_single_process_training():
+    """DDP through init_method="gradsync://" with two ranks on each host: the rendezvous exports
+    each rank's place on its own host (LOCAL_RANK 0 and 1 on both), and training equals one
+    process on the whole batch."""
+    out = run_two_hosts(2, "train_equivalence.py", "--ddp").stdout
+    assert_trained_like_one_process(out, 4)
+    for rank, values in reports(out, 4).items():
+        assert (values["env_local_rank"], values["env_local_world_size"]) == (str(rank % 2), "2"), \
+            (rank, values)
 
 
 def test_the_self_check_reports_both_hosts_and_passes():

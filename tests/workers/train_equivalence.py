@@ -6,12 +6,18 @@ exactly the same parameters (an allgather compared bit for bit), and the names o
 responses of each step. tests/parallel/test_training.py checks these; run as a script (the
 launch tests: srun, two hosts) it checks them itself and every rank reports (tests/workers/report.py)
 its ``rank``, ``size``, ``worst`` difference and whether the ranks are ``identical``. With --num-groups N it also checks that every step's gradients moved in
-exactly N grouped responses (one per reduction group).
+exactly N grouped responses (one per reduction group). With --ddp the ranks train instead as an
+unchanged torch script does: ``torch.distributed`` on gradsync's backend
+(``init_process_group(backend="gradsync", init_method="gradsync://")``) and torch's own
+``DistributedDataParallel`` (:func:`train_ddp`); each rank then also reports the ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` the rendezvous exported, beside gradsync's local rank and size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +119,48 @@ def train(settings: Settings) -> Outcome:
     return Outcome(worst, identical, per_step, len(named))
 
 
+def train_ddp(settings: Settings) -> Outcome:
+    """:func:`train` as torch's DDP on gradsync's ``torch.distributed`` backend: DDP broadcasts
+    rank 0's parameters at construction and averages the gradients in backward (``no_sync`` for
+    all but the last of ``settings.passes`` micro-batches); the ranks' parameters are compared
+    through ``dist.all_gather``. Needs gradsync.init() (the rendezvous would call it too)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradsync.torch  # noqa: F401 - registers backend "gradsync" and init_method "gradsync://"
+
+    dist.init_process_group(backend="gradsync", init_method="gradsync://")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, reference = make_model(0), make_model(0)
+    with torch.no_grad():  # start ranks from different weights: DDP's broadcast must equalise them
+        for p in model.parameters():
+            p.add_(rank * 0.5)
+    ddp = DistributedDataParallel(model)
+    optimizer, reference_optimizer = make_optimizer(model, settings), make_optimizer(reference, settings)
+    data, loss_fn = torch.Generator().manual_seed(1234), torch.nn.CrossEntropyLoss()
+    for _ in range(settings.steps):
+        xs = torch.randn(settings.passes, size * settings.batch, 12, generator=data)
+        ys = torch.randint(0, 3, (settings.passes, size * settings.batch), generator=data)
+        mine = slice(rank * settings.batch, (rank + 1) * settings.batch)
+        optimizer.zero_grad()
+        for micro in range(settings.passes):
+            with ddp.no_sync() if micro < settings.passes - 1 else contextlib.nullcontext():
+                (loss_fn(ddp(xs[micro, mine]), ys[micro, mine]) / settings.passes).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        for micro in range(settings.passes):
+            (loss_fn(reference(xs[micro]), ys[micro]) / settings.passes).backward()
+        reference_optimizer.step()
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(everyone, flat)
+    identical = all(torch.equal(everyone[0], other) for other in everyone)
+    dist.destroy_process_group()
+    trained = sum(1 for p in model.parameters() if p.requires_grad)
+    return Outcome(worst, identical, [], trained)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=Settings.steps)
@@ -121,11 +169,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=Settings.batch, help="samples per rank per backward pass")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--num-groups", type=int, default=Settings.num_groups, help="DistributedOptimizer num_groups")
+    parser.add_argument("--ddp", action="store_true", help="torch's DDP on gradsync's torch.distributed backend")
     args = parser.parse_args()
     torch.set_num_threads(1)
     gradsync.init()
     rank, size = gradsync.rank(), gradsync.size()
-    outcome = train(Settings(args.steps, args.optimizer, args.passes, args.batch, args.num_groups))
+    settings = Settings(args.steps, args.optimizer, args.passes, args.batch, args.num_groups)
+    outcome = train_ddp(settings) if args.ddp else train(settings)
     print(f"rank {rank}: max |param - single-process param| = {outcome.worst:.3g}; identical on all ranks: "
           f"{outcome.identical}", flush=True)
     assert outcome.worst <= args.tolerance, f"rank {rank}: parameters differ from single-process by {outcome.worst}"
@@ -136,8 +186,13 @@ def main() -> None:
             assert len(grads) == args.num_groups and all(
                 name.startswith("grad.group.") for names in grads for name in names), grads
             assert sum(len(names) for names in grads) == outcome.trained, grads
+    local = {}
+    if args.ddp:  # what the rendezvous exported for scripts that read torchrun's variables
+        local = {"local_rank": gradsync.local_rank(), "local_size": gradsync.local_size(),
+                 "env_local_rank": os.environ.get("LOCAL_RANK"),
+                 "env_local_world_size": os.environ.get("LOCAL_WORLD_SIZE")}
     gradsync.shutdown()
-    report(rank=rank, size=size, worst=outcome.worst, identical=outcome.identical)
+    report(rank=rank, size=size, worst=outcome.worst, identical=outcome.identical, **local)
 
 
 if __name__ == "__main__":
