@@ -8,7 +8,9 @@ Each iteration times, in turn, a float32 SUM ``dist.all_reduce`` of ``--bytes`` 
 group, the same on gloo, the same on a *direct* group (a Python process group defined here whose
 ``allreduce`` calls ``MPI_Allreduce`` on the tensor's memory and returns one completed Work: no
 engine, no negotiation, no checks; the floor of any ``torch.distributed`` backend written in
-Python over MPI), ``gradsync.allreduce_`` under one name (the engine's own path, response cache
+Python over MPI), the same after the exchange of a cached negotiation (one
+small nonblocking allreduce first, the floor of any backend that agrees on every collective
+before running it; the row *negotiated*), ``gradsync.allreduce_`` under one name (the engine's own path, response cache
 warm) and ``comm.Allreduce`` on MPI_COMM_WORLD; each call starts right after an MPI barrier and
 an iteration's time is the slowest rank's. Rank 0 prints the median and the 90th percentile of each
 (milliseconds) and each one's ratio to raw MPI. Issue 35's target: the gradsync row <= 0.1 ms at 4 KiB.
@@ -67,8 +69,30 @@ class DirectGroup(dist.ProcessGroup):
         return "direct"
 
 
+class NegotiatedGroup(DirectGroup):
+    """The *negotiated* row: before each ``MPI_Allreduce``, the exchange of gradsync's
+    cached negotiation, one nonblocking bitwise-AND allreduce of its 264-byte vector (1024 cache
+    bits, 1024 invalid bits, a flags word) completed by ``MPI_Wait``, and nothing else: the floor
+    of any backend that agrees on every collective before it runs it, with no Python around it."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.vector = np.zeros(33, np.uint64)
+
+    def allreduce(self, tensors, opts=None):
+        self.comm.Iallreduce(MPI.IN_PLACE, self.vector, op=MPI.BAND).Wait()
+        return super().allreduce(tensors, opts)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "negotiated"
+
+
 def _direct(opts, pg_options=None) -> DirectGroup:
     return DirectGroup(opts.group_rank, opts.group_size)
+
+
+def _negotiated(opts, pg_options=None) -> NegotiatedGroup:
+    return NegotiatedGroup(opts.group_rank, opts.group_size)
 
 
 class Phases:
@@ -164,6 +188,8 @@ def main() -> None:
     group = dist.new_group(backend="gradsync")
     dist.Backend.register_backend("direct", _direct, extended_api=True, devices=["cpu"])
     direct = dist.new_group(backend="direct")
+    dist.Backend.register_backend("negotiated", _negotiated, extended_api=True, devices=["cpu"])
+    negotiated = dist.new_group(backend="negotiated")
     count = parse_bytes(args.bytes) // 4
     tensor = torch.ones(count, dtype=torch.float32)
     array = np.ones(count, dtype=np.float32)
@@ -171,6 +197,7 @@ def main() -> None:
         "dist.all_reduce, gradsync": lambda: dist.all_reduce(tensor, group=group),
         "dist.all_reduce, gloo": lambda: dist.all_reduce(tensor),
         "dist.all_reduce, direct": lambda: dist.all_reduce(tensor, group=direct),
+        "dist.all_reduce, negotiated": lambda: dist.all_reduce(tensor, group=negotiated),
         "gradsync.allreduce_": lambda: gradsync.allreduce_(array, name="latency", op=gradsync.Sum),
         "MPI Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, array),
     }
