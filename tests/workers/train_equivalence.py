@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,43 +81,69 @@ class _Responses:
         del self.execution.run
 
 
+def _models(rank: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """This rank's model and the single-process reference, from the same seed; the ranks' models
+    start from different weights, which the broadcast (or DDP's) must equalise."""
+    model, reference = make_model(0), make_model(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank * 0.5)
+    return model, reference
+
+
+def _steps(settings: Settings, rank: int, size: int, reference: torch.nn.Module,
+           train_step: Callable[[torch.Tensor, torch.Tensor, torch.nn.Module], None]) -> float:
+    """``settings.steps`` steps, each on one global batch of ``settings.passes`` micro-batches of
+    ``size * settings.batch`` samples: ``train_step(xs, ys, loss_fn)`` trains this rank on its
+    share (``[passes, batch, ...]``), then the reference trains alone on the whole batch."""
+    reference_optimizer = make_optimizer(reference, settings)
+    data, loss_fn = torch.Generator().manual_seed(1234), torch.nn.CrossEntropyLoss()
+    for _ in range(settings.steps):
+        xs = torch.randn(settings.passes, size * settings.batch, 12, generator=data)
+        ys = torch.randint(0, 3, (settings.passes, size * settings.batch), generator=data)
+        mine = slice(rank * settings.batch, (rank + 1) * settings.batch)
+        train_step(xs[:, mine], ys[:, mine], loss_fn)
+        reference_optimizer.zero_grad()
+        for micro in range(settings.passes):
+            (loss_fn(reference(xs[micro]), ys[micro]) / settings.passes).backward()
+        reference_optimizer.step()
+
+
+def _worst(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """max |parameter - single-process parameter|."""
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def train(settings: Settings) -> Outcome:
     """Train on every rank and, alone, the single-process reference; needs gradsync.init()."""
     rank, size = gradsync.rank(), gradsync.size()
-    model, reference = make_model(0), make_model(0)
-    with torch.no_grad():  # start ranks from different weights: the broadcast must equalise them
-        for p in model.parameters():
-            p.add_(rank * 0.5)
+    model, reference = _models(rank)
     gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = gradsync.DistributedOptimizer(make_optimizer(model, settings), named_parameters=named,
                                               backward_passes_per_step=settings.passes,
                                               num_groups=settings.num_groups)
     gradsync.broadcast_optimizer_state(optimizer, root_rank=0)
-    reference_optimizer = make_optimizer(reference, settings)
     responses, per_step = _Responses(), []
-    data, loss_fn = torch.Generator().manual_seed(1234), torch.nn.CrossEntropyLoss()
+
+    def train_step(xs: torch.Tensor, ys: torch.Tensor, loss_fn: torch.nn.Module) -> None:
+        optimizer.zero_grad()
+        for micro in range(settings.passes):
+            (loss_fn(model(xs[micro]), ys[micro]) / settings.passes).backward()
+        optimizer.step()
+        per_step.append(responses.take_gradients())
+
     try:
-        for _ in range(settings.steps):
-            # One global batch per step: `passes` micro-batches of `size * batch` samples.
-            xs = torch.randn(settings.passes, size * settings.batch, 12, generator=data)
-            ys = torch.randint(0, 3, (settings.passes, size * settings.batch), generator=data)
-            mine = slice(rank * settings.batch, (rank + 1) * settings.batch)
-            optimizer.zero_grad()
-            for micro in range(settings.passes):
-                (loss_fn(model(xs[micro, mine]), ys[micro, mine]) / settings.passes).backward()
-            optimizer.step()
-            per_step.append(responses.take_gradients())
-            reference_optimizer.zero_grad()
-            for micro in range(settings.passes):
-                (loss_fn(reference(xs[micro]), ys[micro]) / settings.passes).backward()
-            reference_optimizer.step()
+        _steps(settings, rank, size, reference, train_step)
     finally:
         responses.close()
-    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-    everyone = gradsync.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).reshape(1, -1))
+    everyone = gradsync.allgather(_flat(model).reshape(1, -1))
     identical = all(torch.equal(everyone[0], everyone[r]) for r in range(size))
-    return Outcome(worst, identical, per_step, len(named))
+    return Outcome(_worst(model, reference), identical, per_step, len(named))
 
 
 def train_ddp(settings: Settings) -> Outcome:
@@ -131,34 +158,25 @@ def train_ddp(settings: Settings) -> Outcome:
 
     dist.init_process_group(backend="gradsync", init_method="gradsync://")
     rank, size = dist.get_rank(), dist.get_world_size()
-    model, reference = make_model(0), make_model(0)
-    with torch.no_grad():  # start ranks from different weights: DDP's broadcast must equalise them
-        for p in model.parameters():
-            p.add_(rank * 0.5)
+    model, reference = _models(rank)
     ddp = DistributedDataParallel(model)
-    optimizer, reference_optimizer = make_optimizer(model, settings), make_optimizer(reference, settings)
-    data, loss_fn = torch.Generator().manual_seed(1234), torch.nn.CrossEntropyLoss()
-    for _ in range(settings.steps):
-        xs = torch.randn(settings.passes, size * settings.batch, 12, generator=data)
-        ys = torch.randint(0, 3, (settings.passes, size * settings.batch), generator=data)
-        mine = slice(rank * settings.batch, (rank + 1) * settings.batch)
+    optimizer = make_optimizer(model, settings)
+
+    def train_step(xs: torch.Tensor, ys: torch.Tensor, loss_fn: torch.nn.Module) -> None:
         optimizer.zero_grad()
         for micro in range(settings.passes):
             with ddp.no_sync() if micro < settings.passes - 1 else contextlib.nullcontext():
-                (loss_fn(ddp(xs[micro, mine]), ys[micro, mine]) / settings.passes).backward()
+                (loss_fn(ddp(xs[micro]), ys[micro]) / settings.passes).backward()
         optimizer.step()
-        reference_optimizer.zero_grad()
-        for micro in range(settings.passes):
-            (loss_fn(reference(xs[micro]), ys[micro]) / settings.passes).backward()
-        reference_optimizer.step()
-    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    _steps(settings, rank, size, reference, train_step)
+    flat = _flat(model)
     everyone = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(everyone, flat)
     identical = all(torch.equal(everyone[0], other) for other in everyone)
     dist.destroy_process_group()
     trained = sum(1 for p in model.parameters() if p.requires_grad)
-    return Outcome(worst, identical, [], trained)
+    return Outcome(_worst(model, reference), identical, [], trained)
 
 
 def main() -> None:
