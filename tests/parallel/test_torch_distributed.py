@@ -652,6 +652,24 @@ def test_ddp_with_torchs_fp16_compress_hook_trains_like_one_process_to_fp16_prec
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("hook,tolerance", [("ALLREDUCE", 1e-12), ("FP16_COMPRESS", 2e-3)])
+def test_ddp_builtin_comm_hooks_train_like_one_process(rank, size, hook, tolerance):
+    # torch's C++ FP16_COMPRESS hook would stop backward at an INTERNAL ASSERT on a Python group.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(TwoHeads())
+    model._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for got, want in zip(model.module.parameters(), trained_alone(3, size)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=tolerance)
+
+
 def test_torch_zero_redundancy_optimizer_trains_like_one_process(rank, size):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel

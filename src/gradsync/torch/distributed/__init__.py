@@ -14,6 +14,7 @@ the process group's modules are imported when torch first creates a group.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Iterator
@@ -42,6 +43,43 @@ def register() -> None:
                         "_FR_SELF_RECORDING_BACKENDS", None)
     if recording is not None:
         recording.add(BACKEND)
+    _python_builtin_hooks()
+
+
+#: DDP's built-in C++ comm hooks (``dist.BuiltinCommHookType``) that a Python process group cannot
+#: serve -> the same hook written in Python, in ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``.
+BUILTIN_HOOKS = {"FP16_COMPRESS": "fp16_compress_hook"}
+
+
+def _python_builtin_hooks() -> None:
+    """Make ``DistributedDataParallel._register_builtin_comm_hook`` work on a gradsync group.
+
+    torch's C++ FP16_COMPRESS hook reads the Work's future as a C++ list of tensors, and a Python
+    process group's future holds a Python object: backward would stop at an INTERNAL ASSERT
+    ("ProcessGroup::allreduce should return TensorList") on every backend written in Python. On a
+    DDP model whose process group is gradsync's, the hook of the same arithmetic written in Python
+    (:data:`BUILTIN_HOOKS`: cast to float16, divide by the group's size, allreduce, copy back) is
+    registered instead, with ``register_comm_hook``. Any other hook type (ALLREDUCE, whose C++ hook
+    passes the future on as it is) and any other group get torch's own method. Wraps it once."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel._register_builtin_comm_hook
+    if getattr(original, "_gradsync", False):
+        return
+
+    @functools.wraps(original)
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        import torch.distributed as dist
+
+        python_hook = BUILTIN_HOOKS.get(getattr(comm_hook_type, "name", ""))
+        if python_hook is None or dist.get_backend(self.process_group) != BACKEND:
+            return original(self, comm_hook_type)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.register_comm_hook(self.process_group, getattr(default_hooks, python_hook))
+
+    _register_builtin_comm_hook._gradsync = True  # type: ignore[attr-defined]
+    DistributedDataParallel._register_builtin_comm_hook = _register_builtin_comm_hook
 
 
 def _create(opts: Any, pg_options: Any = None) -> Any:
