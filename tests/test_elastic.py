@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elastic_jobs import driver_command, indices, read_log, run_driver
-from mpi_launch import REPO, WORKERS, assert_trained_like_one_process, launch_env, mpiexec
+from mpi_launch import REPO, WORKERS, assert_trained_like_one_process, launch_env, mpiexec, reports
 
 pytestmark = [pytest.mark.mpi, pytest.mark.torch]
 torch = pytest.importorskip("torch")
@@ -70,11 +70,14 @@ def test_a_killed_worker_is_replaced_by_a_restart_from_the_last_commit(tmp_path)
 @pytest.mark.full
 def test_a_ddp_script_on_the_gradsync_backend_runs_under_the_driver(tmp_path):
     """An unchanged torch DDP script (init_method="gradsync://") launched by the driver: the
-    rendezvous takes the launch the driver made, and training equals one process."""
+    rendezvous takes the launch the driver made (torchrun's variables from the launcher's at
+    import), and training equals one process."""
     status, output = run_driver(["-np", "2", "--state-dir", str(tmp_path / "s")],
                                 WORKERS / "train_equivalence.py", "--ddp")
     assert status == 0, output
     assert_trained_like_one_process(output, 2)
+    for rank, values in reports(output, 2).items():
+        assert values["env_before_init"] == [str(rank), "2", str(rank), "2"], (rank, values)
 
 
 @pytest.mark.full  # the fast suite runs the elastic driver's restart once (a killed worker replaced)

@@ -78,6 +78,21 @@ def test_the_launcher_tells_this_processes_rank_and_its_process_management_inter
     assert launcher.rank == rank and launcher.interfaces == interfaces
 
 
+@pytest.mark.parametrize("environ, place", [
+    ({}, (None, None)),
+    ({**OPEN_MPI_ENV, "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, (1, 2)),
+    ({**HYDRA_ENV, "MPI_LOCALRANKID": "1"}, (1, 2)),
+    ({**SRUN_PMI2_ENV, "SLURM_STEP_TASKS_PER_NODE": "2"}, (1, 2)),
+    ({**SRUN_PMIX_ENV, "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, (1, 2)),
+    ({**SRUN_STEP, "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}, (1, None)),  # which node: not told
+    ({"PMIX_RANK": "3", "PMIX_NAMESPACE": "prterun-vm-1@1", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"},
+     (1, 2)),
+])
+def test_the_launcher_tells_this_processes_place_on_its_host(environ, place):
+    launcher = detect_launcher(environ)
+    assert (launcher.local_rank, launcher.local_size) == place
+
+
 @pytest.mark.parametrize("text, vendor, name, version, interfaces", [
     ("MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25\nMPICH ABI:          18:2:6\n"
      "MPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra:gforker\n", ("MPICH", (5, 0, 2)),

@@ -55,12 +55,14 @@ def test_srun_training_equals_single_process_training():
 def test_srun_runs_torch_ddp_on_the_gradsync_backend_like_one_process():
     """An unchanged DDP script whose only gradsync line is init_method="gradsync://": ranks from
     SLURM through gradsync.init(), torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE exported as SLURM's
-    local task ids, training equal to one process on the whole batch."""
+    local task ids (from import gradsync.torch on, for a script that reads them before
+    init_process_group), training equal to one process on the whole batch."""
     out = srun(right_plugin(), 2, "train_equivalence.py", "--ddp", timeout=180).stdout
     assert_trained_like_one_process(out, 2)
     for rank, values in reports(out, 2).items():
         assert values["env_local_rank"] == str(values["local_rank"]), (rank, values)
         assert values["env_local_world_size"] == "2" and values["local_size"] == 2, (rank, values)
+        assert values["env_before_init"] == [str(rank), "2", str(values["local_rank"]), "2"], (rank, values)
 
 
 @pytest.mark.parametrize("plugin", ["pmi2", "pmix", "none"])

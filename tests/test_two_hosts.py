@@ -71,13 +71,14 @@ def test_hierarchical_training_on_two_hosts_equals_single_process_training():
 @pytest.mark.torch
 def test_torch_ddp_on_the_gradsync_backend_across_two_hosts_equals_single_process_training():
     """DDP through init_method="gradsync://" with two ranks on each host: the rendezvous exports
-    each rank's place on its own host (LOCAL_RANK 0 and 1 on both), and training equals one
-    process on the whole batch."""
+    each rank's place on its own host (LOCAL_RANK 0 and 1 on both; from import gradsync.torch on,
+    as the launcher's), and training equals one process on the whole batch."""
     out = run_two_hosts(2, "train_equivalence.py", "--ddp").stdout
     assert_trained_like_one_process(out, 4)
     for rank, values in reports(out, 4).items():
         assert (values["env_local_rank"], values["env_local_world_size"]) == (str(rank % 2), "2"), \
             (rank, values)
+        assert values["env_before_init"] == [str(rank), "4", str(rank % 2), "2"], (rank, values)
 
 
 def test_the_self_check_reports_both_hosts_and_passes():

@@ -102,6 +102,22 @@ def test_the_rendezvous_leaves_a_variable_someone_else_set_and_updates_its_own(r
                 os.environ[name] = value
 
 
+def test_torchruns_rank_variables_come_from_the_launcher_before_any_rendezvous(monkeypatch):
+    """What ``import gradsync.torch`` exports for a script that reads ``LOCAL_RANK`` before
+    ``init_process_group``: the launcher's rank, size and place on the host (Hydra's here)."""
+    from gradsync.torch import distributed as backend
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(backend, "_exported", {})
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    backend.export_from_launcher({"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1",
+                                  "MPI_LOCALNRANKS": "2"})
+    assert [os.environ[n] for n in names] == ["3", "4", "1", "2"]
+    backend.export_from_launcher({})  # no launcher: nothing changes
+    assert [os.environ[n] for n in names] == ["3", "4", "1", "2"]
+
+
 def test_nothing_is_registered_where_torch_distributed_is_unavailable(monkeypatch):
     from gradsync.torch import distributed as backend
 

@@ -10,7 +10,9 @@ exactly N grouped responses (one per reduction group). With --ddp the ranks trai
 unchanged torch script does: ``torch.distributed`` on gradsync's backend
 (``init_process_group(backend="gradsync", init_method="gradsync://")``) and torch's own
 ``DistributedDataParallel`` (:func:`train_ddp`); each rank then also reports the ``LOCAL_RANK`` and
-``LOCAL_WORLD_SIZE`` the rendezvous exported, beside gradsync's local rank and size.
+``LOCAL_WORLD_SIZE`` the rendezvous exported, beside gradsync's local rank and size, and
+(``env_before_init``) torchrun's four variables as a torchrun script reads them: after
+``import gradsync.torch``, before ``gradsync.init()`` and ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import torch
 from report import report
 
 import gradsync
+
+#: torchrun's rank variables, in the order ``env_before_init`` reports them.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,11 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="torch's DDP on gradsync's torch.distributed backend")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    before_init = {}
+    if args.ddp:  # a torchrun script reads its place before init_process_group (to pick its GPU)
+        import gradsync.torch  # noqa: F401
+
+        before_init = {"env_before_init": [os.environ.get(name) for name in TORCHRUN_VARIABLES]}
     gradsync.init()
     rank, size = gradsync.rank(), gradsync.size()
     settings = Settings(args.steps, args.optimizer, args.passes, args.batch, args.num_groups)
@@ -210,7 +220,7 @@ def main() -> None:
                  "env_local_rank": os.environ.get("LOCAL_RANK"),
                  "env_local_world_size": os.environ.get("LOCAL_WORLD_SIZE")}
     gradsync.shutdown()
-    report(rank=rank, size=size, worst=outcome.worst, identical=outcome.identical, **local)
+    report(rank=rank, size=size, worst=outcome.worst, identical=outcome.identical, **local, **before_init)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ class Launcher:
     ``"none"`` (a plain process); ``name`` says which launcher in words; ``expected_size`` is the
     number of processes it says it started (None when unknown); ``rank`` this process's rank as the
     launcher numbers it (None for a plain process); ``interfaces`` the process-management interfaces
-    its variables offer (:data:`PMIX`: PMIX_NAMESPACE is set; :data:`PMI`: PMI_SIZE is set).
+    its variables offer (:data:`PMIX`: PMIX_NAMESPACE is set; :data:`PMI`: PMI_SIZE is set);
+    ``local_rank`` and ``local_size`` this process's place among the launcher's processes on its
+    host, where the launcher says (None where it does not).
     """
 
     name: str
@@ -52,6 +54,8 @@ class Launcher:
     kind: str = "none"
     rank: int | None = None
     interfaces: frozenset[str] = frozenset()
+    local_rank: int | None = None
+    local_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,13 @@ def _interfaces(env: Mapping[str, str]) -> frozenset[str]:
                      if variable in env)
 
 
+def _uniform_tasks_per_node(text: str | None) -> int | None:
+    """SLURM's tasks per node (``"2(x3)"``, ``"2"``, ``"2(x2),1"``) when every node has the same
+    number, else None (which node this is would need the step's node list)."""
+    counts = {part.split("(")[0] for part in (text or "").split(",") if part}
+    return _int_or_none(counts.pop()) if len(counts) == 1 else None
+
+
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
     """Which launcher started this process, from its environment variables (default ``os.environ``).
 
@@ -102,21 +113,27 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
     offers = _interfaces(env)
     if "OMPI_COMM_WORLD_SIZE" in env:
         return Launcher("Open MPI mpirun/mpiexec", _int_or_none(env["OMPI_COMM_WORLD_SIZE"]),
-                        "mpiexec", _int_or_none(env.get("OMPI_COMM_WORLD_RANK")), offers)
+                        "mpiexec", _int_or_none(env.get("OMPI_COMM_WORLD_RANK")), offers,
+                        _int_or_none(env.get("OMPI_COMM_WORLD_LOCAL_RANK")),
+                        _int_or_none(env.get("OMPI_COMM_WORLD_LOCAL_SIZE")))
     in_srun_step = "SLURM_STEP_NUM_TASKS" in env
+    on_node = (_int_or_none(env.get("SLURM_LOCALID")),
+               _uniform_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE")))
     if "PMI_SIZE" in env:
         size, rank = _int_or_none(env["PMI_SIZE"]), _int_or_none(env.get("PMI_RANK"))
         # Hydra also runs under SLURM (its proxies are srun tasks); it sets MPI_LOCALNRANKS, srun not.
         if in_srun_step and "MPI_LOCALNRANKS" not in env:
-            return Launcher("srun --mpi=pmi2", size, "srun", rank, offers)
-        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", size, "mpiexec", rank, offers)
+            return Launcher("srun --mpi=pmi2", size, "srun", rank, offers, *on_node)
+        return Launcher("Hydra mpiexec (MPICH, Intel MPI)", size, "mpiexec", rank, offers,
+                        _int_or_none(env.get("MPI_LOCALRANKID")), _int_or_none(env.get("MPI_LOCALNRANKS")))
     if in_srun_step:
         plugin = "--mpi=pmix" if "PMIX_RANK" in env else "without a PMI plugin (--mpi=none)"
         return Launcher(f"srun {plugin}", _int_or_none(env["SLURM_STEP_NUM_TASKS"]), "srun",
-                        _int_or_none(env.get("SLURM_PROCID")), offers)
+                        _int_or_none(env.get("SLURM_PROCID")), offers, *on_node)
     if "PMIX_RANK" in env:  # another PMIx launcher (PRRTE's prterun, Flux, ...): size unknown
         return Launcher("a PMIx launcher (PMIX_NAMESPACE)", None, "mpiexec",
-                        _int_or_none(env["PMIX_RANK"]), offers)
+                        _int_or_none(env["PMIX_RANK"]), offers, _int_or_none(env.get("PMIX_LOCAL_RANK")),
+                        _int_or_none(env.get("PMIX_LOCAL_SIZE")))
     return Launcher("none", None, interfaces=offers)
 
 

@@ -4,12 +4,14 @@
     dist.init_process_group(backend="gradsync", init_method="gradsync://")
 
 needs no MASTER_ADDR, no port and no torchrun variables: rank and world size are gradsync's (the
-rendezvous calls ``gradsync.init()`` if needed), and it sets torchrun's rank variables for code
-that reads them afterwards (:func:`export_launcher_variables`). Every call of the group submits to gradsync's
+rendezvous calls ``gradsync.init()`` if needed). torchrun's rank variables are set for code that
+reads them, from the MPI launcher's at import and from gradsync's at the rendezvous
+(:func:`export_launcher_variables`). Every call of the group submits to gradsync's
 engine; docs/torch-distributed.md lists what works and what does not yet.
 
-``import gradsync.torch`` calls :func:`register`, which only records two functions with torch;
-the process group's modules are imported when torch first creates a group.
+``import gradsync.torch`` calls :func:`register`, which records two functions with torch and
+exports the launcher's rank variables; the process group's modules are imported when torch first
+creates a group.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ BACKEND = "gradsync"
 
 def register() -> None:
     """Register the "gradsync" backend (CPU and CUDA tensors) and the "gradsync://" rendezvous with
-    torch.distributed; does nothing where torch.distributed is unavailable, or a second time."""
+    torch.distributed, and export torchrun's rank variables from the MPI launcher's
+    (:func:`export_from_launcher`); does nothing where torch.distributed is unavailable, and
+    registers nothing a second time."""
     import torch.distributed as dist
 
     if not dist.is_available():
         return
+    export_from_launcher()
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
@@ -93,10 +98,11 @@ def _create(opts: Any, pg_options: Any = None) -> Any:
 _exported: dict[str, str] = {}
 
 
-def export_launcher_variables(rank: int, size: int, local_rank: int, local_size: int) -> None:
+def export_launcher_variables(rank: int, size: int, local_rank: int | None,
+                              local_size: int | None) -> None:
     """Set torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` in
-    ``os.environ`` to gradsync's values (decimal strings), where they are unset or still hold what
-    an earlier call set: code that reads them after ``init_process_group`` (a script's
+    ``os.environ`` to these values (decimal strings; None: leave that one), where they are unset or
+    still hold what an earlier call set: code that reads them (a script's
     ``int(os.environ["LOCAL_RANK"])``, ``torch.distributed.get_node_local_rank()``) gets this
     rank's place. A value set by someone else (the user, torchrun) is left as it is. Neither
     ``MASTER_ADDR``/``MASTER_PORT`` (nothing listens on a port) nor ``GROUP_RANK`` is set:
@@ -104,8 +110,23 @@ def export_launcher_variables(rank: int, size: int, local_rank: int, local_size:
     take the process for one of torchrun's and rendezvous through ``MASTER_ADDR``."""
     for name, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
                         ("LOCAL_WORLD_SIZE", local_size)):
-        if name not in os.environ or os.environ[name] == _exported.get(name):
+        if value is not None and (name not in os.environ or os.environ[name] == _exported.get(name)):
             os.environ[name] = _exported[name] = str(value)
+
+
+def export_from_launcher(environ: dict[str, str] | None = None) -> None:
+    """torchrun's rank variables from the MPI launcher's (:func:`gradsync.process.launch.detect_launcher`:
+    ``mpiexec`` of Open MPI or Hydra, ``srun``), before any rendezvous: a torchrun script that
+    reads ``int(os.environ["LOCAL_RANK"])`` before ``init_process_group`` (to pick its GPU) gets its
+    place on the host. The rendezvous sets gradsync's own values later (the same ones: gradsync's
+    rank is the launcher's). Nothing for a process no launcher started. ``environ``: the
+    launcher's variables (default ``os.environ``); the export goes to ``os.environ``."""
+    from ...process.launch import detect_launcher
+
+    launcher = detect_launcher(environ)
+    if launcher.rank is not None and launcher.expected_size is not None:
+        export_launcher_variables(launcher.rank, launcher.expected_size, launcher.local_rank,
+                                  launcher.local_size)
 
 
 def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
