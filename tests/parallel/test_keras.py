@@ -266,6 +266,48 @@ def test_broadcast_callback_leaves_local_variables_alone(rank):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), np.full(variable.shape, expected))
 
 
+def test_broadcast_callback_syncs_a_model_that_keras_builds_in_the_first_step(case, rank):
+    """Horovod's tensorflow2_keras_mnist.py builds its Sequential without an input shape: Keras 3
+    creates the weights (and on TensorFlow the optimizer's) in the first train step, after
+    on_train_begin. Each rank starts from its own random weights; every rank ends with the same."""
+    keras.utils.set_random_seed(100 + rank)
+    model = keras.Sequential([keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(2)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = rank_data(rank, 3 * B)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_same_on_every_rank(model.get_weights(), case)
+    assert_same_on_every_rank([keras.ops.convert_to_numpy(v) for v in model.optimizer.variables], f"{case}.opt")
+
+
+def test_broadcast_callback_syncs_an_optimizer_built_on_the_root_only(case, rank):
+    """A job resumed as Horovod's keras_imagenet_resnet50.py resumes: rank 0 has its optimizer's
+    state (here built and set by hand), the others a fresh optimizer. No rank waits for a
+    broadcast another rank does not make, and every rank ends with rank 0's state trained on."""
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    if rank == 0:
+        model.optimizer.build(model.trainable_variables)
+        for variable in model.optimizer.variables[2:]:  # after iterations and the learning rate
+            variable.assign(np.full(variable.shape, 0.5, "float32"))
+    x, y = rank_data(rank, 2 * B)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_same_on_every_rank(model.get_weights(), case)
+    assert_same_on_every_rank([keras.ops.convert_to_numpy(v) for v in model.optimizer.variables], f"{case}.opt")
+
+
+def test_broadcast_variables_refuses_different_numbers_of_variables_on_every_rank(rank, size):
+    if size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    model = make_model()
+    variables = model.variables if rank == 0 else model.variables[:1]
+    counts = ", ".join(f"rank {r}: {len(model.variables) if r == 0 else 1}" for r in range(size))
+    with pytest.raises(ValueError, match=f"pass different numbers of variables \\({counts}\\)"):
+        hvd.broadcast_variables(variables, root_rank=0)
+    hvd.broadcast_variables(model.variables, root_rank=0)  # and the next broadcast works
+
+
 def test_value_collectives_against_numpy(rank, size):
     value = np.arange(6, dtype="float32").reshape(3, 2) * (rank + 1)
     ranks_sum = size * (size + 1) / 2

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from numbers import Real
 
 import keras
+import numpy as np
 
-from .. import metrics
+from .. import metrics, ops
+from ..engine.protocol import ReduceOp
 from ..process import runtime
 from .optimizer import broadcast_variables
 
@@ -15,12 +17,21 @@ from .optimizer import broadcast_variables
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, give every rank ``root_rank``'s model and optimizer variables.
 
-    Runs in ``on_train_begin``, after Keras built the model and the optimizer, so training starts
-    from identical weights and optimizer state everywhere (Horovod broadcasts after the first
-    batch instead; the result is the same from then on). The variables in ``local_variables``
-    (Keras variables of the model or the optimizer) keep each rank's own value; every rank must
-    pass the same number of them from the same places. ``device`` is Horovod's and unused:
-    gradsync moves host copies.
+    In ``on_train_begin``, where every rank has built its model and its optimizer: training then
+    starts from identical weights and optimizer state everywhere, as one process would. Keras 3
+    builds some of them in the first train step (a model given no input shape; the optimizer, on
+    the TensorFlow backend), and a rank that loaded a checkpoint has its optimizer's slots already
+    where a fresh rank has not: then, as Horovod always does, model and optimizer are broadcast
+    again at the end of the first batch, once they exist everywhere (the model also at the start,
+    if it is built on every rank). Which of the two happens is agreed by the ranks in one small
+    collective, so every rank broadcasts the same variables at the same point. The variables in
+    ``local_variables`` (Keras variables of the model or the optimizer) keep each rank's own
+    value; every rank must pass the same number of them from the same places. ``device`` is
+    Horovod's and unused: gradsync moves host copies.
+
+    Raises:
+        ValueError: the ranks' models or optimizers have different numbers of variables
+            (:func:`gradsync.keras.broadcast_variables`).
     """
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables: list | None = None) -> None:
@@ -28,12 +39,36 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank = root_rank
         self.device = device
         self.local_variables = list(local_variables or [])
+        self._after_first_batch = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        optimizer = self.model.optimizer
+        built = np.array([self.model.built, optimizer is None or optimizer.built], dtype=np.int32)
+        model_built, optimizer_built = ops.allreduce(built, name="BroadcastGlobalVariables.built",
+                                                     op=ReduceOp.Min).tolist()
+        if model_built:
+            self._broadcast_model()
+        if model_built and optimizer_built:
+            self._broadcast_optimizer()
+        self._after_first_batch = not (model_built and optimizer_built)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if not self._after_first_batch:
+            return
+        self._after_first_batch = False
+        if hasattr(self.model, "jax_state_sync"):  # the JAX trainer keeps the state outside the
+            self.model.jax_state_sync()  # variables: into them, and read back by the next step
+        self._broadcast_model()
+        self._broadcast_optimizer()
+
+    def _broadcast_model(self) -> None:
         local = {id(v) for v in self.local_variables}
-        shared = [v for v in self.model.variables if id(v) not in local]
-        broadcast_variables(shared, self.root_rank, name="BroadcastGlobalVariables.model")
+        broadcast_variables([v for v in self.model.variables if id(v) not in local], self.root_rank,
+                            name="BroadcastGlobalVariables.model")
+
+    def _broadcast_optimizer(self) -> None:
         if self.model.optimizer is not None:
+            local = {id(v) for v in self.local_variables}
             broadcast_variables([v for v in self.model.optimizer.variables if id(v) not in local],
                                 self.root_rank, name="BroadcastGlobalVariables.optimizer")
 

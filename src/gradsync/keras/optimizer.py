@@ -257,11 +257,22 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: str = "broadca
     any is waited on) and assigned back.
 
     Raises:
-        ValueError: ``root_rank`` is not a rank (of ``process_set``).
-        gradsync.CollectiveError: the ranks' variables differ in number, shape or dtype (the message
+        ValueError: ``root_rank`` is not a rank (of ``process_set``); the ranks pass different
+            numbers of variables (checked first, in one small allgather: the message lists each
+            rank's count, on every rank).
+        gradsync.CollectiveError: the ranks' variables differ in shape or dtype (the message
             names the variable and each rank's value).
     """
     variables = list(variables)
+    counts = ops.allgather(np.array([len(variables)], dtype=np.int64), name=f"{name}.count",
+                           process_set=process_set).tolist()
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"rank {r}: {n}" for r, n in zip(process_set.ranks, counts))
+        raise ValueError(f"gradsync: rank {runtime.get().rank}: {name}: the ranks pass different numbers "
+                         f"of variables ({listed}); every rank must pass the same variables (a model or "
+                         "optimizer built on some ranks only, e.g. loaded from a checkpoint on one rank, "
+                         "has more: broadcast after the first train step, as "
+                         "BroadcastGlobalVariablesCallback does then)")
     values = [keras.ops.convert_to_numpy(v) for v in variables]
     # By position only: the call waits before it returns, so nothing else of this name is in
     # flight, and variable names may differ by rank (Keras numbers layers per process).
