@@ -326,6 +326,17 @@ def test_value_collectives_against_numpy(rank, size):
     assert float(keras.ops.convert_to_numpy(hvd.allreduce(3.0, name="keras.scalar", op=hvd.Sum))) == 3.0 * size
 
 
+def test_python_values_travel_in_the_dtypes_horovods_tf_constant_gives_them(size):
+    def dtype(result):
+        return keras.ops.convert_to_numpy(result).dtype
+
+    assert dtype(hvd.allreduce(0.5, name="keras.float", op=hvd.Sum)) == np.float32
+    assert dtype(hvd.allreduce([0.5, 1.5], name="keras.floats")) == np.float32
+    assert dtype(hvd.broadcast(3, 0, name="keras.int")) == np.int32
+    assert dtype(hvd.allreduce(np.array([0.5], np.float16), name="keras.numpy")) == np.float16  # arrays keep theirs
+    assert int(keras.ops.convert_to_numpy(hvd.allreduce(3, name="keras.int_sum", op=hvd.Sum))) == 3 * size
+
+
 @pytest.mark.parametrize("factor", [1.0, 4.0])
 @pytest.mark.parametrize("sparse_as_dense", [True, False])
 def test_embedding_gradients_average_dense_or_sparse(case, sparse_as_dense, factor):

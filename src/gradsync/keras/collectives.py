@@ -22,7 +22,11 @@ from ..process_sets import ProcessSet, global_process_set
 
 
 def _host(value: Any) -> np.ndarray:
-    """``value`` as a C-contiguous numpy array of its own shape (0-d included)."""
+    """``value`` as a C-contiguous numpy array of its own shape (0-d included). Python numbers and
+    lists of them take the dtype the backend gives them (``keras.ops.convert_to_tensor``: float32,
+    int32), as Horovod's ``tf.constant(value)`` does; arrays and tensors keep theirs."""
+    if isinstance(value, (bool, int, float, list, tuple)) and not isinstance(value, np.generic):
+        value = keras.ops.convert_to_tensor(value)
     array = np.asarray(keras.ops.convert_to_numpy(value))
     return array if array.flags.c_contiguous else array.copy()
 
