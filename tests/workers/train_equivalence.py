@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,8 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     before_init = {}
     if args.ddp:  # a torchrun script reads its place before init_process_group (to pick its GPU)
-        import gradsync.torch  # noqa: F401
-
+        importlib.import_module("gradsync.torch")  # as its first line, import gradsync.torch, does
         before_init = {"env_before_init": [os.environ.get(name) for name in TORCHRUN_VARIABLES]}
     gradsync.init()
     rank, size = gradsync.rank(), gradsync.size()
