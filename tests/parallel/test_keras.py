@@ -266,6 +266,16 @@ def test_broadcast_callback_leaves_local_variables_alone(rank):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), np.full(variable.shape, expected))
 
 
+def fit_with_the_broadcast_callback_then_assert_same_state(model, rank, steps, case):
+    """``steps`` batches of this rank's data through ``model.fit`` with the broadcast callback; then
+    the weights and the optimizer's variables must be the same on every rank."""
+    x, y = rank_data(rank, steps * B)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_same_on_every_rank(model.get_weights(), case)
+    assert_same_on_every_rank([keras.ops.convert_to_numpy(v) for v in model.optimizer.variables], f"{case}.opt")
+
+
 def test_broadcast_callback_syncs_a_model_that_keras_builds_in_the_first_step(case, rank):
     """Horovod's tensorflow2_keras_mnist.py builds its Sequential without an input shape: Keras 3
     creates the weights (and on TensorFlow the optimizer's) in the first train step, after
@@ -273,11 +283,7 @@ def test_broadcast_callback_syncs_a_model_that_keras_builds_in_the_first_step(ca
     keras.utils.set_random_seed(100 + rank)
     model = keras.Sequential([keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(2)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
-    x, y = rank_data(rank, 3 * B)
-    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    assert_same_on_every_rank(model.get_weights(), case)
-    assert_same_on_every_rank([keras.ops.convert_to_numpy(v) for v in model.optimizer.variables], f"{case}.opt")
+    fit_with_the_broadcast_callback_then_assert_same_state(model, rank, 3, case)
 
 
 def test_broadcast_callback_syncs_an_optimizer_built_on_the_root_only(case, rank):
@@ -290,11 +296,7 @@ def test_broadcast_callback_syncs_an_optimizer_built_on_the_root_only(case, rank
         model.optimizer.build(model.trainable_variables)
         for variable in model.optimizer.variables[2:]:  # after iterations and the learning rate
             variable.assign(np.full(variable.shape, 0.5, "float32"))
-    x, y = rank_data(rank, 2 * B)
-    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    assert_same_on_every_rank(model.get_weights(), case)
-    assert_same_on_every_rank([keras.ops.convert_to_numpy(v) for v in model.optimizer.variables], f"{case}.opt")
+    fit_with_the_broadcast_callback_then_assert_same_state(model, rank, 2, case)
 
 
 def test_broadcast_variables_refuses_different_numbers_of_variables_on_every_rank(rank, size):

@@ -611,6 +611,19 @@ def trained_alone(steps: int, size: int, use_b: bool = True, accumulate: int = 1
     return [p.detach() for p in model.parameters()]
 
 
+def assert_trains_like_one_process(model, optimizer, rank: int, size: int, atol: float,
+                                   rtol: float = 0.0, use_b: bool = True) -> None:
+    """Three steps of the DDP-wrapped :class:`TwoHeads` ``model`` on this rank's batches, then its
+    parameters against :func:`trained_alone` on every rank's batches together."""
+    for step in range(3):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x, use_b), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for got, want in zip(model.module.parameters(), trained_alone(3, size, use_b)):
+        torch.testing.assert_close(got.detach(), want, rtol=rtol, atol=atol)
+
+
 DDP_OPTIONS = {
     "default": {},
     "bucket-view": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0001},
@@ -626,13 +639,7 @@ def test_ddp_trains_like_one_process_on_the_whole_batch(rank, size, option):
     use_b = option != "unused"
     model = DistributedDataParallel(TwoHeads(), **DDP_OPTIONS[option])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x, use_b), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for got, want in zip(model.module.parameters(), trained_alone(3, size, use_b)):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+    assert_trains_like_one_process(model, optimizer, rank, size, atol=1e-12, rtol=1e-12, use_b=use_b)
 
 
 def test_ddp_no_sync_accumulates_and_reduces_on_the_next_backward(rank, size):
@@ -659,13 +666,7 @@ def test_ddp_with_torchs_fp16_compress_hook_trains_like_one_process_to_fp16_prec
     model = DistributedDataParallel(TwoHeads())
     model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for got, want in zip(model.module.parameters(), trained_alone(3, size)):
-        torch.testing.assert_close(got.detach(), want, rtol=0, atol=2e-3)
+    assert_trains_like_one_process(model, optimizer, rank, size, atol=2e-3)
 
 
 @pytest.mark.parametrize("hook,tolerance", [("ALLREDUCE", 1e-12), ("FP16_COMPRESS", 2e-3)])
@@ -677,13 +678,7 @@ def test_ddp_builtin_comm_hooks_train_like_one_process(rank, size, hook, toleran
     model = DistributedDataParallel(TwoHeads())
     model._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for got, want in zip(model.module.parameters(), trained_alone(3, size)):
-        torch.testing.assert_close(got.detach(), want, rtol=0, atol=tolerance)
+    assert_trains_like_one_process(model, optimizer, rank, size, atol=tolerance)
 
 
 def test_torch_zero_redundancy_optimizer_trains_like_one_process(rank, size):
@@ -692,13 +687,7 @@ def test_torch_zero_redundancy_optimizer_trains_like_one_process(rank, size):
 
     model = DistributedDataParallel(TwoHeads())
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for got, want in zip(model.module.parameters(), trained_alone(3, size)):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+    assert_trains_like_one_process(model, optimizer, rank, size, atol=1e-12, rtol=1e-12)
 
 
 def test_torchmetrics_sync_gives_the_metric_of_every_ranks_data(case, rank, size):

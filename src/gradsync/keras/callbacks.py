@@ -62,15 +62,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._broadcast_optimizer()
 
     def _broadcast_model(self) -> None:
-        local = {id(v) for v in self.local_variables}
-        broadcast_variables([v for v in self.model.variables if id(v) not in local], self.root_rank,
-                            name="BroadcastGlobalVariables.model")
+        self._broadcast(self.model.variables, "BroadcastGlobalVariables.model")
 
     def _broadcast_optimizer(self) -> None:
         if self.model.optimizer is not None:
-            local = {id(v) for v in self.local_variables}
-            broadcast_variables([v for v in self.model.optimizer.variables if id(v) not in local],
-                                self.root_rank, name="BroadcastGlobalVariables.optimizer")
+            self._broadcast(self.model.optimizer.variables, "BroadcastGlobalVariables.optimizer")
+
+    def _broadcast(self, variables: list, name: str) -> None:
+        """``variables`` but the local ones, from ``root_rank``."""
+        local = {id(v) for v in self.local_variables}
+        broadcast_variables([v for v in variables if id(v) not in local], self.root_rank, name=name)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
