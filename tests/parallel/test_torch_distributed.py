@@ -396,6 +396,33 @@ def test_coalesced_all_gathers_and_reduce_scatters(case, rank, size):
         assert_array(scattered[i].numpy(), reference_allreduce(inputs[i], Sum)[rank:rank + 1])
 
 
+def test_functional_collectives_return_the_reduction_and_the_concatenation(case, rank, size):
+    """``torch.distributed._functional_collectives`` (DTensor's and tensor parallelism's calls): new
+    tensors from the group's all_reduce, all_gather_into_tensor and reduce_scatter_tensor."""
+    import torch.distributed._functional_collectives as funcol
+
+    x = all_inputs(case, "float32", (size, 3))
+    mine = to_torch(x[rank])
+    assert_array(funcol.all_reduce(mine, "sum", dist.group.WORLD).numpy(), reference_allreduce(x, Sum))
+    assert_array(funcol.all_gather_tensor(mine, 0, dist.group.WORLD).numpy(), np.concatenate(x))
+    assert_array(funcol.reduce_scatter_tensor(mine, "sum", 0, dist.group.WORLD).numpy(),
+                 reference_allreduce(x, Sum)[rank:rank + 1])
+    assert_array(mine.numpy(), x[rank])  # the input is left as it was
+
+
+def test_a_compiled_function_s_functional_all_reduce_runs_on_the_group(case, rank):
+    """``torch.compile`` traces the functional collective into its graph (no graph break), which
+    calls the group at run time."""
+    import torch.distributed._functional_collectives as funcol
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def doubled_then_summed(tensor):
+        return funcol.all_reduce(tensor * 2, "sum", dist.group.WORLD)
+
+    x = all_inputs(case, "float32", (WORLD_SIZE, 4))
+    assert_array(doubled_then_summed(to_torch(x[rank])).numpy(), reference_allreduce(2 * x, Sum))
+
+
 def test_a_new_group_reduces_among_its_members_only(case, rank, size):
     members = list(range(max(1, size - 1)))  # every rank but the last (at 1 rank: rank 0)
     group = dist.new_group(members)

@@ -3,7 +3,8 @@
     import gradsync.torch  # registers the backend "gradsync" and the rendezvous "gradsync://"
     dist.init_process_group(backend="gradsync", init_method="gradsync://")
 
-needs no MASTER_ADDR, no port and no torchrun variables: rank and world size are gradsync's (the
+needs no MASTER_ADDR, no port and no torchrun variables (``init_method`` may be left out where
+MASTER_ADDR is unset): rank and world size are gradsync's (the
 rendezvous calls ``gradsync.init()`` if needed). torchrun's rank variables are set for code that
 reads them, from the MPI launcher's at import and from gradsync's at the rendezvous
 (:func:`export_launcher_variables`). Every call of the group submits to gradsync's
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -48,7 +51,53 @@ def register() -> None:
                         "_FR_SELF_RECORDING_BACKENDS", None)
     if recording is not None:
         recording.add(BACKEND)
+    _default_rendezvous(rendezvous)
     _python_builtin_hooks()
+
+
+def uses_only_gradsync(backend: Any) -> bool:
+    """Whether ``init_process_group``'s ``backend`` names gradsync's backend for every device:
+    ``"gradsync"`` (any case) or a ``"cpu:gradsync,cuda:gradsync"`` list; False for None, for any
+    other backend, and for a list that names another one for some device (that backend needs a
+    store shared between the processes)."""
+    if backend is None:
+        return False
+    parts = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
+    return all(part == BACKEND for part in parts)
+
+
+def _default_rendezvous(rendezvous: Any) -> None:
+    """Make ``init_process_group(backend="gradsync")`` with neither ``init_method`` nor ``store``
+    rendezvous at ``gradsync://`` where torch's default, ``env://``, cannot run (``MASTER_ADDR`` or
+    ``MASTER_PORT`` unset; an explicit ``init_method="env://"`` as much): a torchrun script whose
+    only change is its backend's name then runs under ``mpiexec``/``srun`` as it is. With both
+    variables set (Lightning's environments, a site's scripts), and for every other backend, torch's
+    ``env://`` runs as it is (its error names the missing variable).
+
+    torch's rendezvous handlers are not told the backend: the ``env://`` handler is wrapped (once)
+    to read it from the ``init_process_group`` call that it serves (the frame of torch's own
+    function, found by its code object, whose ``backend`` holds ``Backend(backend)`` by then), so
+    that a script that imported ``init_process_group`` by name before ``import gradsync.torch`` is
+    served as well. A rendezvous called outside ``init_process_group`` keeps torch's handler."""
+    original = rendezvous._rendezvous_handlers.get("env")
+    if original is None or getattr(original, "_gradsync", False):
+        return
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    init_code = inspect.unwrap(c10d.init_process_group).__code__
+
+    @functools.wraps(original)
+    def env_or_gradsync(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            return original(url, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not init_code:
+            frame = frame.f_back
+        if frame is None or not uses_only_gradsync(frame.f_locals.get("backend")):
+            return original(url, **kwargs)
+        return _rendezvous(url, **kwargs)
+
+    env_or_gradsync._gradsync = True  # type: ignore[attr-defined]
+    rendezvous._rendezvous_handlers["env"] = env_or_gradsync
 
 
 #: DDP's built-in C++ comm hooks (``dist.BuiltinCommHookType``) that a Python process group cannot
