@@ -19,7 +19,7 @@ an iteration's time is the slowest rank's. Rank 0 prints the median and the 90th
 methods, which add about a microsecond each to every gradsync row of that launch): torch's
 ``dist.all_reduce`` up to the group's ``allreduce``, the group's own Python (the call's name, the
 reduction) up to ``allreduce_async_``, the submission (checks, the entry) and its queueing, the way
-to the cycle, the negotiation (its one small ``MPI_Iallreduce`` when cached), the planning up to
+to the cycle, the negotiation (its one small allreduce when cached), the planning up to
 the data's MPI call, that call, the completion back to the group's return, and the way back to the
 caller; it prints each part's median in microseconds.
 """
@@ -110,7 +110,7 @@ class Phases:
              ("submission: checks, entry, handle", "submitting", "queueing"),
              ("queueing", "queueing", "queued"),
              ("to the cycle (wait, take, stall check)", "queued", "negotiating"),
-             ("negotiation (cached: one MPI_Iallreduce)", "negotiating", "negotiated"),
+             ("negotiation (cached: one small allreduce)", "negotiating", "negotiated"),
              ("planning, to the data's MPI call", "negotiated", "data"),
              ("the data: MPI_Iallreduce and its wait", "data", "data_done"),
              ("completion, to the group's return", "data_done", "group_returned"),

@@ -134,7 +134,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "wait_policy", str, "mpi", "name",
-        "How a rank waits in a negotiation exchange (a nonblocking MPI_Iallreduce) for ranks that "
+        "How a rank waits in a negotiation exchange (a nonblocking allreduce) for ranks that "
         "have not reached it: 'mpi' (MPI_Wait: the MPI's own wait, which polls) or 'sleep' (tested "
         "for 50 us, then tested between sleeps of 20 us doubling up to 0.5 ms, leaving the core free "
         "meanwhile; measured no faster here, see docs/configuration.md). Data collectives always "

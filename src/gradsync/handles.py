@@ -146,7 +146,8 @@ class Handle:
             self.divisor = divisor
             self._done = True
             self._gate.release()
-        self._run_callbacks()
+        if self._callbacks is not None:  # (no call at all for the usual handle without callbacks)
+            self._run_callbacks()
 
     def fail(self, error: BaseException) -> None:
         """Finish with ``error`` (what :meth:`wait` raises), unless already finished (as

@@ -9,13 +9,12 @@ their arrays (no import cycle).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """What negotiation needs to know about a tensor: dtype name, shape and device string."""
+class TensorInfo(NamedTuple):
+    """What negotiation needs to know about a tensor: dtype name, shape and device string.
+    Immutable named fields (a NamedTuple: one is built per op, cheaper than a frozen dataclass)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -101,6 +101,11 @@ _NUMPY = NumpyAdapter()
 _DLPACK = DLPackAdapter()
 
 
+#: The adapter of each array type seen so far whose module names a framework of
+#: :data:`ADAPTER_MODULES` (a type's module and a registration never change): one dict lookup per op.
+_FRAMEWORK_TYPES: dict[type, ArrayAdapter] = {}
+
+
 def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
     """The adapter for ``x``'s framework: numpy, one of :data:`ADAPTER_MODULES` (torch, CuPy, JAX:
     imported on first sight, where they register themselves), an array type that names its own adapter in a
@@ -111,12 +116,16 @@ def adapter_for(x: Any, name: str | None = None) -> ArrayAdapter:
     """
     if isinstance(x, np.ndarray):
         return _NUMPY
+    adapter = _FRAMEWORK_TYPES.get(type(x))
+    if adapter is not None:
+        return adapter
     framework = type(x).__module__.partition(".")[0]
     if framework in ADAPTER_MODULES:
         adapter = registered(framework)
         if adapter is None:
             importlib.import_module(ADAPTER_MODULES[framework])  # registers it
             adapter = registered(framework)
+        _FRAMEWORK_TYPES[type(x)] = adapter
         return adapter
     own = getattr(type(x), "__gradsync_adapter__", None)
     if own is not None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ from .stall_inspector import StallClock, heartbeat_interval, pending_ages
 from .waiting import LeftTurn
 
 log = logging.getLogger("gradsync")
+_REQUEST = operator.attrgetter("request")  # an entry's request, as one C call
 
 
 class Coordinator:
@@ -183,18 +185,25 @@ class Coordinator:
         Raises:
             ValueError: as :meth:`submit`, for any member (then none is queued).
         """
+        host = True  # host memory only, and no join(): a caller may run the cycles
         for entry in entries:
-            self._check_device(entry)
-        host = all(entry.runtime is None and entry.request.kind != Kind.JOIN for entry in entries)
-        hurry, runner = self.queue.hurry, self.turns.run_for if self.turns.enabled and host else None
+            if entry.runtime is not None:
+                self._check_device(entry)
+                host = False
+            elif entry.request.kind is Kind.JOIN:
+                host = False
+        turns = self.turns
+        hurry, runner = self.queue.hurry, turns.run_for if turns.enabled and host else None
+        handles = []
         for entry in entries:
             entry.handle.on_wait(hurry, runner)
-        mine = self.turns.mine()
+            handles.append(entry.handle)
+        mine = turns.mine()
         if mine and not host:  # device work and join() stay on the background thread
-            self.turns.end_turn()
+            turns.end_turn()
             mine = False
         self.queue.push_all(entries, wake=not mine)  # in the caller's turn, the caller cycles
-        return [entry.handle for entry in entries]
+        return handles
 
     def replace_timeline(self, timeline) -> None:
         """Write the timeline to ``timeline`` (a :class:`gradsync.timeline.Timeline`) from now on, or
@@ -294,11 +303,11 @@ class Coordinator:
         for entry in entries:
             self._pending[entry.request.name] = entry
         started_ns = time.perf_counter_ns()
-        stall = self._stall_due(started_ns)
+        stall = self._stall_clock.due_for(self._pending.values(), started_ns)  # ask for a report?
         wait = self.turns.waiter()
         self._negotiating = (time.monotonic(), "a negotiation cycle")
         try:
-            reply = self.negotiator.cycle([e.request for e in entries], shutdown or bool(device_failed),
+            reply = self.negotiator.cycle(list(map(_REQUEST, entries)), shutdown or bool(device_failed),
                                           stall, self._pending_ages, wait)
         except Parked as parked:
             self._park(functools.partial(self._resume, parked.resume, len(entries), device_failed,
@@ -420,10 +429,6 @@ class Coordinator:
         if interval is None:
             return None, False
         return max(0.0, self._last_cycle + interval - time.monotonic()), False
-
-    def _stall_due(self, now_ns: int) -> bool:
-        """Whether this rank asks for a stall report in this cycle."""
-        return self._stall_clock.due_for(self._pending.values(), now_ns)
 
     def _pending_ages(self) -> tuple[tuple[str, float, int | None], ...]:
         """For a stall report: this set's pending collectives and, from a snapshot of their queues,

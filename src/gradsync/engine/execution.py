@@ -22,10 +22,13 @@ from ..errors import CollectiveError
 from ..executors import Executed, Executor, batches
 from ..executors.plan import FusionPlan
 from ..timeline import record_collective
-from . import joins, liveness
+from . import joins
 from .parts import CycleParts, SetPlace
 from .protocol import Kind, Response
 from .request_queue import Entry
+
+#: What running no plan did (the timeline's phases of a failed response).
+_NOTHING_EXECUTED = Executed()
 
 
 class ResponseExecution:
@@ -65,8 +68,10 @@ class ResponseExecution:
         (every rank makes the same ones); False once gradsync stopped meanwhile. The entries the
         previous cycle completed are released first (see :meth:`_retire`)."""
         self._retired = []
-        return all(self._carry_out(batch, replied_ns)
-                   for batch in batches(responses, self._on_device, self._device.batched))
+        for batch in batches(responses, self._on_device, self._device.batched):
+            if not self._carry_out(batch, replied_ns):
+                return False
+        return True
 
     def divisor(self, response: Response) -> int:
         """The Average divisor of ``response``, the rule written once: the set's size, or the
@@ -86,7 +91,7 @@ class ResponseExecution:
         has stopped (the watchdog's verdict): then no further collective may start."""
         if self._queue.closed:
             return False
-        self.busy = (time.monotonic(), liveness.Described(responses[0]))
+        self.busy = (time.monotonic(), responses[0])  # liveness.described, if a verdict needs it
         try:
             self._execute(responses, replied_ns)
         finally:
@@ -95,18 +100,24 @@ class ResponseExecution:
 
     def _execute(self, responses: list[Response], replied_ns: int) -> None:
         """Plan and run ``responses`` (one, or a batch) and complete their handles."""
-        taken = [(response, self._entries(response)) for response in responses]
-        everything = [entry for _, entries in taken for entry in entries]
+        taken: list[tuple[Response, list[Entry]]] = []
+        everything: list[Entry] = []
         # Names are released before the handles complete: a caller that reuses a name right after
         # synchronize() returned must not find it still in flight.
-        names = [name for response, _ in taken for name in response.names]
+        names: list[str] = []
+        divisors: list[int] = []
+        for response in responses:  # one loop, no comprehensions: a cycle's fixed cost
+            entries = self._entries(response)
+            taken.append((response, entries))
+            everything += entries
+            names += response.names
+            divisors.append(self.divisor(response))
         started_ns = time.perf_counter_ns()
-        executed = Executed()
-        divisors = [self.divisor(response) for response in responses]
+        executed = _NOTHING_EXECUTED
         try:
             plans = [self._plan(response, entries, divisor)
                      for (response, entries), divisor in zip(taken, divisors)]
-            executed = self._executor(plans[0]).run(plans)
+            executed = self._executor_for(plans[0].entries).run(plans)
         except Exception as exc:
             self._failed(responses[0], everything, names, exc)
         else:
@@ -119,12 +130,11 @@ class ResponseExecution:
         """This rank's entries of ``response``, or a joined rank's stand-ins."""
         if response.error is not None:  # a failed group may name members this rank never submitted
             return [self._pending.pop(name) for name in response.names if name in self._pending]
-        stand_ins = dict(zip(response.names, response.requests))
         entries = []
-        for name in response.names:
+        for i, name in enumerate(response.names):
             entry = self._pending.pop(name, None)
             if entry is None:
-                entry = joins.stand_in(stand_ins[name], self._rank, self._size)
+                entry = joins.stand_in(response.requests[i], self._rank, self._size)
                 if entry.request.device != "cpu":
                     entry = self._device.stand_in(entry)
             entries.append(entry)
@@ -143,9 +153,6 @@ class ResponseExecution:
 
     def _executor_for(self, entries: Sequence[Entry]) -> Executor:
         return self._device if entries and entries[0].runtime is not None else self._host
-
-    def _executor(self, plan: FusionPlan) -> Executor:
-        return self._executor_for(plan.entries)
 
     def _completed(self, taken: list[tuple[Response, list[Entry]]], divisors: list[int],
                    names: list[str], executed: Executed) -> None:

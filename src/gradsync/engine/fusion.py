@@ -10,6 +10,7 @@ its own. How each rank then lays the members out in the buffer is the other half
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -29,8 +30,10 @@ def buffer_dtype(request: Request, native: frozenset[str] = dtypes.MPI_NATIVE) -
     return dtypes.accumulator(request.dtype, request.op == ReduceOp.Average, native)
 
 
+@functools.lru_cache(maxsize=4096)
 def nbytes(request: Request) -> int:
-    """Bytes the request occupies in a fusion buffer (its buffer dtype times its elements)."""
+    """Bytes the request occupies in a fusion buffer (its buffer dtype times its elements).
+    Memoized: a pure function of the request, asked for every cycle of a caller's turn."""
     return math.prod(request.shape) * buffer_dtype(request).itemsize
 
 
@@ -45,8 +48,10 @@ def plan_allreduce(ready: list[Request], threshold: int, sizes: list[int] | None
     (the response cache keeps them); ``with_requests``: fill ``Response.requests``.
     """
     sizes = sizes if sizes is not None else [nbytes(request) for request in ready]
-    keys = list(map(FUSION_KEY, ready))
-    if keys and keys.count(keys[0]) == len(keys):
+    keys = list(map(FUSION_KEY, ready)) if len(ready) > 1 else []
+    if not keys:  # none, or one: alone whatever its size (a blocking op's cycle)
+        groups = [ready] if ready else []
+    elif keys.count(keys[0]) == len(keys):
         groups = _pack_one_key(ready, sizes, threshold)
     else:
         groups = _pack(ready, sizes, keys, threshold)

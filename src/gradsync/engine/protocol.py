@@ -60,6 +60,11 @@ class Kind(enum.IntEnum):
     REDUCESCATTER = 6
 
 
+#: Each kind's name in lower case, as messages and automatic names spell it: a dict lookup where
+#: ``kind.name.lower()`` costs two Python calls (enum's ``name`` is a Python property), on every op.
+KIND_NAMES = MappingProxyType({kind: kind.name.lower() for kind in Kind})
+
+
 class Request(NamedTuple):
     """One rank's description of a collective it wants to run.
 

@@ -22,7 +22,7 @@ from ..handles import Handle
 from .protocol import Request
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: one is made per op, without an instance dict
 class Entry:
     """A request together with this rank's memory for it.
 
@@ -72,7 +72,10 @@ class TensorQueue:
 
     def __init__(self, world_rank: int) -> None:
         self.world_rank = world_rank
-        self._cond = threading.Condition(threading.Lock())
+        # Every method takes ``_lock`` directly (``with self._lock``): the same lock as the
+        # condition's, without Condition.__enter__/__exit__, two Python calls per use on every op.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._new: list[Entry] = []
         self._in_flight: dict[str, Entry] = {}
         self._shutdown = False
@@ -81,11 +84,10 @@ class TensorQueue:
         self._batching = False  # the coordinator waits for the cycle time to pass (see wait)
         self.wakes = 0  # how often wake() was called: a wait that saw an older count returns at once
         self.closed_error: BaseException | None = None
+        #: Whether :meth:`close` was called (``closed_error`` is then set): a plain attribute, read
+        #: several times per cycle and between the tests of every MPI wait that can be left.
+        self.closed = False
         self.failure: str | None = None  # why gradsync stopped, when MPI can no longer finish cleanly
-
-    @property
-    def closed(self) -> bool:
-        return self.closed_error is not None
 
     def push(self, entry: Entry) -> None:
         """Queue ``entry`` and wake the coordinator.
@@ -101,10 +103,12 @@ class TensorQueue:
         ``wake=False``: do not wake the coordinator's thread (the caller runs the cycle itself);
         nor inside :data:`QUIET`.
         Inside a blocking op (:data:`WAITING`) the push is urgent, as after :meth:`hurry`."""
-        with self._cond:
+        with self._lock:
             for entry in entries:
                 self._check_free(entry)
-            self._in_flight.update((entry.request.name, entry) for entry in entries)
+            in_flight = self._in_flight
+            for entry in entries:
+                in_flight[entry.request.name] = entry
             self._new.extend(entries)
             if WAITING.get():
                 self._urgent = True
@@ -117,7 +121,7 @@ class TensorQueue:
         due at once, not after the cycle time that batches asynchronous requests."""
         if self._urgent:  # already hurried, and not yet taken (take() clears it under the lock):
             return  # do not contend for the lock with the coordinator that was just woken
-        with self._cond:
+        with self._lock:
             if not self._urgent:
                 self._urgent = True
                 self._cond.notify()
@@ -134,31 +138,31 @@ class TensorQueue:
                              "theirs alike: pass named_parameters=)")
 
     def request_shutdown(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shutdown = True
             self._cond.notify()
 
     def interrupt(self) -> None:
         """Wake the coordinator from another thread (the device watchdog found an error)."""
-        with self._cond:
+        with self._lock:
             self._interrupted = True
             self._cond.notify()
 
     def has_work(self) -> bool:
         """Whether a cycle has something to do: new entries, shutdown asked for, :meth:`interrupt`
         or :meth:`close` called."""
-        with self._cond:
+        with self._lock:
             return bool(self._new or self._shutdown or self._interrupted or self.closed_error)
 
     def pressing(self) -> bool:
         """Whether a cycle is due at once, without batching: a thread waits (:meth:`hurry`, a
         blocking op's push), shutdown asked for, :meth:`interrupt` or :meth:`close` called."""
-        with self._cond:
+        with self._lock:
             return bool(self._urgent or self._shutdown or self._interrupted or self.closed_error)
 
     def wake(self) -> None:
         """Wake the coordinator's thread so that it looks again (a caller ran cycles meanwhile)."""
-        with self._cond:
+        with self._lock:
             self.wakes += 1
             self._cond.notify()
 
@@ -169,7 +173,7 @@ class TensorQueue:
         do not end the wait (the coordinator lets more arrive until ``timeout``) unless a thread
         waits for one (:meth:`hurry`); the rest do. An urgent flag without new entries (a thread
         waits for a request already negotiated, pending on other ranks) ends no wait."""
-        with self._cond:
+        with self._lock:
             if not ((self._new and (self._urgent or not batching))
                     or self._shutdown or self._interrupted or self.closed_error
                     or (wakes is not None and wakes != self.wakes)):
@@ -181,28 +185,30 @@ class TensorQueue:
 
     def take(self) -> tuple[list[Entry], bool]:
         """The entries queued since the last call, and whether shutdown was asked for."""
-        with self._cond:
+        with self._lock:
             entries, self._new = self._new, []
             self._interrupted = self._urgent = False
             return entries, self._shutdown
 
     def finished(self, names: list[str]) -> None:
         """The collectives ``names`` are done with (their names may be reused)."""
-        with self._cond:
+        with self._lock:
             for name in names:
                 self._in_flight.pop(name, None)
 
     def handles_named(self, name: str) -> list[Handle]:
         """A snapshot of the handles in flight named ``name`` or ``name.<member>`` (a group's
         members, a front door's per-tensor names): what a caller that reuses ``name`` waits for."""
+        if not self._in_flight:  # nothing in flight (a blocking caller's loop): no lock, no scan
+            return []
         prefix = name + "."
-        with self._cond:
+        with self._lock:
             return [entry.handle for key, entry in self._in_flight.items()
                     if key == name or key.startswith(prefix)]
 
     def pending_names(self) -> list[str]:
         """A snapshot of the names in flight (for the stall reports of other process sets)."""
-        with self._cond:
+        with self._lock:
             return list(self._in_flight)
 
     def close(self, error_type: ErrorType, reason: str, cause: BaseException | None = None,
@@ -214,12 +220,13 @@ class TensorQueue:
         more (a rank was lost, the coordinator failed), recorded in :attr:`failure`. Callable from
         any thread; only the first call has an effect (returns False for later ones).
         """
-        with self._cond:
+        with self._lock:
             if self.closed_error is not None:
                 return False
             closed = error_type(f"gradsync: rank {self.world_rank}: gradsync has stopped: {reason}")
             closed.__cause__ = cause
             self.closed_error = closed
+            self.closed = True
             self.failure = reason if failure else None
             entries, self._new = list(self._in_flight.values()), []
             self._in_flight.clear()

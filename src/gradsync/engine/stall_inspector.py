@@ -15,8 +15,9 @@ heartbeat; with both off, an idle coordinator sleeps until it gets work.
 from __future__ import annotations
 
 import logging
+import operator
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from .protocol import Kind
@@ -57,6 +58,10 @@ def pending_ages(entries: Iterable[Any], others: list[tuple[int, Any]]
     return own + tuple((name, 0.0, ident) for ident, queue in others for name in queue.pending_names())
 
 
+_SUBMITTED = operator.itemgetter(1)  # the submission time of a (name, time) of waited_on
+_SUBMITTED_NS = operator.attrgetter("submitted_ns")  # an entry's submission time
+
+
 class StallClock:
     """When this rank should ask for a stall report: once its oldest pending collective has waited
     ``check_time``, then every ``check_time``, and at ``shutdown_time`` (if set)."""
@@ -66,11 +71,18 @@ class StallClock:
         self.shutdown_time = shutdown_time
         self._last_asked: float | None = None
 
-    def due_for(self, entries: Iterable[Any], now_ns: int) -> bool:
-        """:meth:`due` for the oldest of the pending ``entries`` that a report is about."""
+    def due_for(self, entries: Collection[Any], now_ns: int) -> bool:
+        """:meth:`due` for the oldest of the pending ``entries`` that a report is about.
+
+        Every cycle asks, so the usual answer comes first, from the entries' oldest submission
+        time alone (one C call): while every pending entry is younger than ``check_time``,
+        nothing is due. (:meth:`due` would also forget its last ask when only join() entries are
+        pending; not needed: entries submitted after that are younger than the ask.)"""
         if self.check_time <= 0:
             return False
-        oldest = min((ns for _, ns in waited_on(entries)), default=None)
+        if entries and now_ns - min(map(_SUBMITTED_NS, entries)) < self.check_time * 1e9:
+            return False
+        oldest = min(map(_SUBMITTED, waited_on(entries)), default=None)
         return self.due(None if oldest is None else oldest / 1e9, now_ns / 1e9)
 
     def due(self, oldest_submitted: float | None, now: float) -> bool:

@@ -27,7 +27,7 @@ from ..executors import adasum
 from ..handles import GroupHandle, Handle
 from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
-from .protocol import Kind, ReduceOp, Request, split_rows
+from .protocol import KIND_NAMES, Kind, ReduceOp, Request, split_rows
 from .request_queue import WAITING, Entry
 
 if TYPE_CHECKING:  # imported by init() only (it imports mpi4py.MPI)
@@ -61,7 +61,7 @@ def prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet,
     rt = runtime.get()
     if where is None:
         label = "(unnamed)" if name is None else repr(str(name))
-        where = f"gradsync: rank {rt.rank}: {kind.name.lower()} of tensor {label}"
+        where = f"gradsync: rank {rt.rank}: {KIND_NAMES[kind]} of tensor {label}"
     coordinator = rt.coordinator_for(process_set, where)
     try:
         adapter = adapter_for(tensor, name)
@@ -71,7 +71,7 @@ def prepare(tensor: Any, name: str | None, kind: Kind, process_set: ProcessSet,
     if info.dtype not in dtypes.SUPPORTED:
         raise TypeError(f"{where}: dtype {info.dtype} is not supported (supported: {_SUPPORTED})")
     device = None
-    if device_kind(info.device) != "cpu":
+    if info.device != "cpu" and device_kind(info.device) != "cpu":
         device = adapter.device_runtime(tensor) if device_kind(info.device) == "cuda" else None
         if device is None:
             raise TypeError(f"{where}: the tensor is on {info.device}; gradsync moves host (CPU) "
@@ -101,21 +101,6 @@ def outputs(adapter, tensor: Any, shape: tuple[int, ...], in_place: bool, where:
     return source, adapter.host_view(result), result
 
 
-def _entry(request: Request, source: Any, target: Any, result: Any, device: DeviceRuntime | None,
-           allocate=None) -> Entry:
-    """The coordinator's entry; for a device tensor it records the caller's current stream (where
-    results are allocated) and, on it, the event after which the tensor's data is ready (the
-    coordinator's stream waits for it)."""
-    entry = Entry(request, Handle(request.name), source, target, result, allocate)
-    if device is not None:
-        entry.runtime = device
-        entry.device = device.device_index(source)
-        entry.stream = device.current_stream(entry.device)
-        entry.ready = device.event(entry.device)
-        device.record(entry.ready, entry.stream)
-    return entry
-
-
 class Prepared(NamedTuple):
     """One tensor, checked and ready to queue: its process set's coordinator, its request (named
     when it is queued), the Entry's source, target and result, its device runtime (None in host
@@ -130,12 +115,24 @@ class Prepared(NamedTuple):
     allocate: Callable[..., tuple[Any, Any]] | None = None
 
     def entry(self, name: str, group: str = "", group_size: int = 0) -> Entry:
+        """The coordinator's entry under ``name`` (in ``group`` of ``group_size``, or none: ``""``,
+        0); for a device tensor it records the caller's current stream (where results are
+        allocated) and, on it, the event after which the tensor's data is ready (the
+        coordinator's stream waits for it)."""
         request = self.request.queued_as(name, group, group_size, _REFUSE_JOIN.get())
-        return _entry(request, self.source, self.target, self.result, self.device, self.allocate)
+        entry = Entry(request, Handle(name), self.source, self.target, self.result, self.allocate)
+        device = self.device
+        if device is not None:
+            entry.runtime = device
+            entry.device = device.device_index(self.source)
+            entry.stream = device.current_stream(entry.device)
+            entry.ready = device.event(entry.device)
+            device.record(entry.ready, entry.stream)
+        return entry
 
     def submit(self, name: str | None, kind: str) -> Handle:
         """Queue it alone under ``name`` (None: an automatic name for ``kind``)."""
-        return self.coordinator.submit(self.entry(collective_name(self.coordinator, name, kind)))
+        return self.coordinator.submit_group([self.entry(collective_name(self.coordinator, name, kind))])[0]
 
 
 def collective_name(coordinator: Coordinator, name: str | None, kind: str) -> str:
@@ -219,7 +216,7 @@ def host_only(device: DeviceRuntime | None, kind: Kind, where: str) -> None:
         TypeError: naming the tensor by ``where``.
     """
     if device is not None:
-        raise TypeError(f"{where}: {kind.name.lower()} of GPU tensors is not supported yet (allreduce, "
+        raise TypeError(f"{where}: {KIND_NAMES[kind]} of GPU tensors is not supported yet (allreduce, "
                         "grouped allreduce, broadcast and allgather are); copy the tensor to the host")
 
 
@@ -248,9 +245,8 @@ def prepare_reduction(tensor: Any, name: str | None, kind: Kind, op: ReduceOp, p
         shape = (split_rows(shape[0], coordinator.size)[coordinator.rank],) + tuple(shape[1:])
     source, target, result = outputs(adapter, tensor, shape, in_place, where, device)
     request = Request("", kind, coordinator.rank, info.dtype, info.shape, op, prescale=prescale,
-                      postscale=postscale, device=device_kind(info.device))
+                      postscale=postscale, device="cpu" if device is None else device_kind(info.device))
     return Prepared(coordinator, request, source, target, result, device)
-
 
 
 def submit_grouped(tensors: Sequence[Any], name: str | None, kind: Kind, process_set: ProcessSet,
@@ -259,7 +255,7 @@ def submit_grouped(tensors: Sequence[Any], name: str | None, kind: Kind, process
     group (or none, on any error)."""
     rt = runtime.get()
     label = "(unnamed)" if name is None else repr(str(name))
-    where = f"gradsync: rank {rt.rank}: grouped_{kind.name.lower()} {label}"
+    where = f"gradsync: rank {rt.rank}: grouped_{KIND_NAMES[kind]} {label}"
     coordinator = rt.coordinator_for(process_set, where)
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{where}: tensors must be a list or tuple of tensors, got a "
@@ -273,7 +269,7 @@ def submit_grouped(tensors: Sequence[Any], name: str | None, kind: Kind, process
             listed = ", ".join(f"member {i}: {v}" for i, v in enumerate(seen))
             raise TypeError(f"{where}: every member of a group must have the same {what} (they are "
                             f"fused into one buffer); got {listed}")
-    group = collective_name(coordinator, name, f"grouped_{kind.name.lower()}")
+    group = collective_name(coordinator, name, f"grouped_{KIND_NAMES[kind]}")
     entries = [member.entry(f"{group}.{i}", group, len(members)) for i, member in enumerate(members)]
     return GroupHandle(group, coordinator.submit_group(entries))
 
@@ -329,7 +325,7 @@ def submit_reduction(tensor: Any, name: str | None, op: ReduceOp, prescale_facto
     Arguments and errors: :func:`gradsync.allreduce_async`."""
     prepared = prepare_reduction(tensor, name, kind, op, prescale_factor, postscale_factor,
                                  in_place, process_set)
-    return prepared.submit(name, kind.name.lower())
+    return prepared.submit(name, KIND_NAMES[kind])
 
 
 def submit_grouped_reduction(tensors: Sequence[Any], name: str | None, kind: Kind, op: ReduceOp,
@@ -344,8 +340,8 @@ def submit_grouped_reduction(tensors: Sequence[Any], name: str | None, kind: Kin
 def run_control(kind: Kind, name: str | None, process_set: ProcessSet) -> Any:
     """Submit a collective that moves no data (barrier, join) and wait for it."""
     rt = runtime.get()
-    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: {kind.name.lower()}")
-    name = collective_name(coordinator, name, kind.name.lower())
+    coordinator = rt.coordinator_for(process_set, f"gradsync: rank {rt.rank}: {KIND_NAMES[kind]}")
+    name = collective_name(coordinator, name, KIND_NAMES[kind])
     request = Request(name, kind, coordinator.rank, "uint8", ())
     empty = np.empty(0, np.uint8)
     with coordinator.turns.caller_turn():

@@ -7,15 +7,15 @@ thread stays runnable, and on a machine whose cores all compute (every rank's tr
 with backward) it takes time from the thread the other ranks are waiting for
 (docs/performance-notes.md, facts 1 and 11).
 
-:func:`wait` instead tests the exchange's nonblocking allreduce (``MPI_Iallreduce``, on every rank:
-:meth:`gradsync.engine.negotiation.Negotiator.cycle`) for a short spin (the common case: the others
-are already there), then sleeps between tests, doubling the sleep up to a cap, so the core is free
-for the training thread. It is used for the negotiation exchange only, a few dozen bytes whose
-progress needs nothing from this rank but a test: a data collective's bytes move only while a rank
-is inside MPI, so the background thread completes those with ``MPI_Wait`` (fact 2: a test-and-sleep
-loop made steps 15-20 % slower). The policy is the ``wait_policy`` setting, ``mpi`` (``MPI_Wait``,
-the MPI's own wait) by default: on 2 ranks sharing 2 cores ``sleep`` measured no faster under MPICH
-and slower under Open MPI (docs/configuration.md).
+:func:`wait` instead tests the exchange's nonblocking allreduce (persistent, or ``MPI_Iallreduce``,
+on every rank: :meth:`gradsync.engine.negotiation.Negotiator.cycle`) for a short spin (the common
+case: the others are already there), then sleeps between tests, doubling the sleep up to a cap, so
+the core is free for the training thread. It is used for the negotiation exchange only, a few dozen
+bytes whose progress needs nothing from this rank but a test: a data collective's bytes move only
+while a rank is inside MPI, so the background thread completes those with ``MPI_Wait`` (fact 2: a
+test-and-sleep loop made steps 15-20 % slower). The policy is the ``wait_policy`` setting, ``mpi``
+(``MPI_Wait``, the MPI's own wait) by default: on 2 ranks sharing 2 cores ``sleep`` measured no
+faster under MPICH and slower under Open MPI (docs/configuration.md).
 
 :func:`wait_or_leave` is the same loop for a *caller's turn* (:mod:`gradsync.engine.caller_runs`): a
 user's thread running the coordinator's cycle must be able to stop waiting, which a thread inside a

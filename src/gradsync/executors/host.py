@@ -34,6 +34,7 @@ class HostExecutor:
         self.rank, self.size = rank, size
         self._buffers = FusionBuffers()
         self._received = FusionBuffers()
+        self._contexts: dict[int, Context] = {}  # divisor -> this rank's plan context
         self._table: dict[Kind, Callable[[FusionPlan], Phases]] = {
             Kind.ALLREDUCE: self._allreduce, Kind.REDUCESCATTER: self._reducescatter,
             Kind.BROADCAST: self._broadcast, Kind.ALLGATHER: self._allgather,
@@ -41,7 +42,10 @@ class HostExecutor:
 
     def plan(self, response: Response, entries: list, divisor: int) -> FusionPlan:
         """See :meth:`gradsync.executors.Executor.plan`."""
-        context = Context(self.rank, self.size, divisor, HOST, self.backend.traits)
+        context = self._contexts.get(divisor)
+        if context is None:  # one per divisor (the set's size, or the contributors): built once
+            context = self._contexts[divisor] = Context(self.rank, self.size, divisor, HOST,
+                                                        self.backend.traits)
         return make_plan(response, entries, context)
 
     def run(self, plans: list[FusionPlan]) -> Executed:
@@ -57,12 +61,14 @@ class HostExecutor:
 
     def _allreduce(self, plan: FusionPlan) -> Phases:
         buffer = self._send_buffer(plan, plan.entries[0].target)
-        pack(plan, HOST, buffer)
-        phases = [("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns())] if plan.packs else []
+        phases = []
+        if plan.packs:
+            pack(plan, HOST, buffer)
+            phases.append(("MEMCPY_IN_FUSION_BUFFER", time.perf_counter_ns()))
         finish = plan.reduction
         # A lone tensor's Average (or postscale) in its own memory: where the backend can, it
         # scales each slice as it reduces it, instead of unpack's second pass over the result.
-        folded = (plan.result_in_buffer and finish.scale != 1.0 and finish.floor_divisor == 1
+        folded = (finish.scale != 1.0 and plan.result_in_buffer and finish.floor_divisor == 1
                   and finish.send_op != ReduceOp.Adasum
                   and self.backend.scales_in_allreduce(buffer, finish.send_op))
         if finish.send_op == ReduceOp.Adasum:
@@ -76,10 +82,9 @@ class HostExecutor:
         else:
             self.backend.allreduce(buffer, finish.send_op, finish.logical)
         phases.append(("ALLREDUCE", time.perf_counter_ns()))
-        if not folded:
+        if not folded and plan.unpacks:
             unpack(plan, HOST, buffer)
-            if plan.unpacks:
-                phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
+            phases.append(("MEMCPY_OUT_FUSION_BUFFER", time.perf_counter_ns()))
         return phases
 
     def _reducescatter(self, plan: FusionPlan) -> Phases:

@@ -47,7 +47,7 @@ class HostMemory:
         return array.flags.c_contiguous and array.dtype == dtype
 
     def flat(self, array: np.ndarray) -> np.ndarray:
-        return array.reshape(-1)
+        return array if array.ndim == 1 else array.reshape(-1)
 
     def copy(self, source: np.ndarray, target: np.ndarray, scale: float) -> None:
         source, target = same_shape(source, target)

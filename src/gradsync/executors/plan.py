@@ -11,8 +11,10 @@ copy primitives of a :class:`~gradsync.executors.memory.Memory`. The executors o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,14 +26,15 @@ from ..engine.protocol import Kind, ReduceOp, Request, Response, split_rows
 from .memory import Memory
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Traits:
     """What a backend reduces natively: the dtypes it reduces as they are (others are widened,
     :func:`gradsync.arrays.dtypes.accumulator`), the buffer dtypes whose Average it divides itself
     (NCCL's ncclAvg, which divides by the communicator's size), and whether its allreduce reads
     its data from a separate source buffer (the shared-memory path reads each rank's input where
     it lies): then a lone out-of-place allreduce is reduced from its input straight into its
-    output, with no copy of the input first."""
+    output, with no copy of the input first. Immutable, one per backend, hashed by identity (a
+    key of the memoized plans, :func:`_allreduce_layout`, at the cost of a C call)."""
 
     native: frozenset[str] = dtypes.MPI_NATIVE
     averages: frozenset[str] = frozenset()
@@ -162,18 +165,32 @@ def _in_place(entries: list, array: Any, dtype: np.dtype, memory: Memory) -> boo
             and memory.contiguous(array))
 
 
+_REQUEST = operator.attrgetter("request")  # an entry's request, as one C call
+
+
 def _offsets(counts: list[int]) -> list[int]:
     return list(itertools.accumulate(counts, initial=0))
 
 
-def _allreduce(response: Response, entries: list, context: Context) -> FusionPlan:
-    request = entries[0].request
-    dtype = buffer_dtype(request, context.traits.native)
-    finish = reduction(request, dtype, context.divisor, context.size, context.traits)
-    counts = [_elements(e) for e in entries]
+@functools.lru_cache(maxsize=1024)
+def _allreduce_layout(requests: tuple[Request, ...], divisor: int, size: int,
+                      traits: Traits) -> tuple[np.dtype, Reduction, int, tuple[Copy, ...]]:
+    """What an allreduce plan takes from its negotiated requests alone: the buffer's dtype, the
+    reduction (:func:`reduction`), the element count and the members' copies. A pure function of
+    its arguments, memoized: the steady state plans the same responses every step."""
+    request = requests[0]
+    dtype = buffer_dtype(request, traits.native)
+    finish = reduction(request, dtype, divisor, size, traits)
+    counts = [math.prod(r.shape) for r in requests]
     copies = tuple(map(Copy, range(len(counts)), _offsets(counts), counts))  # member, offset, count
+    return dtype, finish, sum(counts), copies
+
+
+def _allreduce(response: Response, entries: list, context: Context) -> FusionPlan:
+    dtype, finish, count, copies = _allreduce_layout(tuple(map(_REQUEST, entries)), context.divisor,
+                                                     context.size, context.traits)
     if not _in_place(entries, entries[0].target, dtype, context.memory):
-        return FusionPlan(Kind.ALLREDUCE, tuple(entries), dtype, sum(counts), False, copies, copies,
+        return FusionPlan(Kind.ALLREDUCE, tuple(entries), dtype, count, False, copies, copies,
                           reduction=finish)
     only = entries[0]
     separate = only.source is not only.target
@@ -183,7 +200,7 @@ def _allreduce(response: Response, entries: list, context: Context) -> FusionPla
                    and finish.send_op != ReduceOp.Adasum and context.memory.readable(only.source, dtype))
     packs = copies if separate and not from_source or finish.prescale != 1.0 else ()
     unpacks = copies if finish.scale != 1.0 or finish.floor_divisor != 1 else ()
-    return FusionPlan(Kind.ALLREDUCE, (only,), dtype, counts[0], True, packs, unpacks,
+    return FusionPlan(Kind.ALLREDUCE, (only,), dtype, count, True, packs, unpacks,
                       reduction=finish, from_source=from_source)
 
 

@@ -51,6 +51,9 @@ class Runtime:
 
         self.config = config
         self.pid = os.getpid()
+        #: True in a process forked from this one (set by :func:`_forked`, after ``os.fork()`` in
+        #: the child): the runtime belongs to the parent, and this process may not use it.
+        self.forked = False
         self.launcher = launch.detect_launcher()
         self.rank = world.Get_rank()
         self.size = world.Get_size()
@@ -250,7 +253,7 @@ def init(comm: Any = None, process_sets: list[Any] | None = None, **settings: An
             processes but MPI sees a world of 1 (a launcher/MPI mismatch; the message says the fix).
     """
     global _runtime
-    if _runtime is not None and _runtime.pid == os.getpid():
+    if _runtime is not None and not _runtime.forked:
         return
     started = (time.time(), time.process_time())
     config = Config.resolve(settings)
@@ -341,7 +344,7 @@ def shutdown() -> None:
     """
     global _runtime
     runtime, _runtime = _runtime, None
-    if runtime is None or runtime.pid != os.getpid():
+    if runtime is None or runtime.forked:
         return
     failures = [state.coordinator.failure for state in runtime.process_sets.values()
                 if state.coordinator is not None and state.coordinator.failure is not None]
@@ -361,6 +364,7 @@ def _stop_coordinator(runtime: Runtime, coordinator: Coordinator | None, comm) -
         return
     if coordinator.shutdown(runtime.config.shutdown_timeout):
         coordinator.host.backend.close()
+        coordinator.negotiator.close()
         comm.Free()
     else:
         log.warning("gradsync: rank %d: the other ranks did not reach shutdown within %.0f s; "
@@ -407,7 +411,7 @@ def get() -> Runtime:
     runtime = _runtime
     if runtime is None:
         raise NotInitializedError("gradsync is not initialised: call gradsync.init() first")
-    if runtime.pid != os.getpid():
+    if runtime.forked:  # (a flag set at fork: os.getpid() is a system call, and every op asks)
         raise GradsyncError(
             f"gradsync: process {os.getpid()} was forked from rank {runtime.rank} (pid "
             f"{runtime.pid}) after gradsync.init(); a forked child (such as a DataLoader worker) "
@@ -417,7 +421,17 @@ def get() -> Runtime:
 
 def is_initialized() -> bool:
     """True between ``init()`` and ``shutdown()`` in this process."""
-    return _runtime is not None and _runtime.pid == os.getpid()
+    return _runtime is not None and not _runtime.forked
+
+
+def _forked() -> None:
+    """In the child of ``os.fork()`` (multiprocessing, a DataLoader worker): the runtime, if any,
+    is the parent's (:attr:`Runtime.forked`)."""
+    if _runtime is not None:
+        _runtime.forked = True
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def rank() -> int:

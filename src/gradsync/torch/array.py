@@ -24,11 +24,14 @@ class TorchAdapter:
             raise TypeError(f"a {x.layout} tensor cannot be reduced as it is: densify it "
                             "(tensor.to_dense()), allgather its indices and values, or, for "
                             "gradients, use DistributedOptimizer(..., sparse_as_dense=True)")
-        return TensorInfo(_NAMES.get(x.dtype, str(x.dtype).removeprefix("torch.")),
-                          tuple(x.shape), str(x.device))
+        # (the name's fallback and the device string made only where needed: each torch
+        # attribute read is a C++ call, and this runs on every op)
+        return TensorInfo(_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch."),
+                          tuple(x.shape), "cpu" if x.is_cpu else str(x.device))
 
     def host_view(self, x: torch.Tensor) -> np.ndarray:
-        x = x.detach()
+        if x.requires_grad:
+            x = x.detach()
         if x.dtype == torch.bfloat16:
             return x.view(torch.int16).numpy().view(dtypes.NUMPY_DTYPES["bfloat16"])
         return x.numpy()

@@ -53,6 +53,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
+        self._queue: Any = None  # the queue of the process set's coordinator (next_name)
         self.completer = Completer(f"pg{process_set.process_set_id}", timeout)
         self._p2p = PointToPoint(p2p_comm, f"pg{process_set.process_set_id}", timeout)
 
@@ -72,7 +73,10 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         if call not in ROTATING:
             return f"torch.{self._group_name}.{call}.{n}"
         name = f"torch.{self._group_name}.{call}.{n % SLOTS}"
-        for handle in self._coordinator().queue.handles_named(name):
+        queue = self._queue
+        if queue is None or queue.closed:  # the set's coordinator's; a new one after a restart
+            queue = self._queue = self._coordinator().queue
+        for handle in queue.handles_named(name):
             try:
                 handle.wait()
             except Exception:  # noqa: BLE001 - its own Work reports it; here only the name matters
@@ -147,21 +151,21 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     # -- reductions
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
-        with waited_at_once() as blocking:
+        with waited_at_once(opts) as blocking:
             return reductions.allreduce(self, _listed(tensors), opts, blocking)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
         return reductions.allreduce_coalesced(self, tensors, opts)
 
     def reduce(self, tensors: Any, opts: Any) -> Any:
-        with waited_at_once():
+        with waited_at_once(opts):
             return reductions.reduce(self, tensors, opts)
 
     def reduce_scatter(self, outputs: Any, input_lists: Any, opts: Any = None) -> Any:
         return reductions.reduce_scatter(self, outputs, input_lists, opts)
 
     def reduce_scatter_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
-        with waited_at_once():
+        with waited_at_once(opts):
             return reductions.reduce_scatter_tensors(self, [output], [tensor], opts,
                                                      "reduce_scatter_tensor")
 
@@ -174,11 +178,11 @@ class GradsyncProcessGroup(dist.ProcessGroup):
 
     # -- data movement
     def broadcast(self, tensors: Any, opts: Any) -> Any:
-        with waited_at_once():
+        with waited_at_once(opts):
             return movement.broadcast(self, _listed(tensors), opts)
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
-        with waited_at_once():
+        with waited_at_once(opts):
             return movement.allgather(self, output_lists, inputs, opts)
 
     def allgather_coalesced(self, output_lists: Any, inputs: Any, opts: Any = None) -> Any:
@@ -187,7 +191,7 @@ class GradsyncProcessGroup(dist.ProcessGroup):
         return movement.allgather(self, by_input, inputs, opts, "all_gather_coalesced")
 
     def all_gather_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
-        with waited_at_once():
+        with waited_at_once(opts):
             return movement.allgather_into(self, [output], [tensor], opts)
 
     _allgather_base = all_gather_single
@@ -247,9 +251,16 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
     ranks = list(opts.global_ranks_in_group) or list(range(rt.size))
     if ranks != sorted(ranks):
         raise ValueError(f"gradsync: a process group's ranks must be in increasing order, got {ranks}")
-    if ranks[opts.group_rank] != rt.rank or len(ranks) != opts.group_size:
-        raise ValueError(f"gradsync: torch says rank {opts.group_rank} of {opts.group_size} in group "
-                         f"{ranks}, but this is gradsync's rank {rt.rank} of {rt.size}")
+    if not (len(ranks) == opts.group_size and 0 <= opts.group_rank < len(ranks)
+            and ranks[opts.group_rank] == rt.rank):
+        hint = ""
+        if rt.size == 1 < opts.group_size:  # torchrun's processes, or others no MPI launcher started
+            hint = ("; gradsync's ranks are MPI's: start the script with `mpiexec -n N` or `srun` "
+                    "(under torchrun each process is an MPI job of one rank)")
+        group = f"group {ranks}" if opts.global_ranks_in_group else "the default group"
+        raise ValueError(f"gradsync: rank {rt.rank}: torch says rank {opts.group_rank} of "
+                         f"{opts.group_size} in {group}, but this is gradsync's rank {rt.rank} "
+                         f"of {rt.size}{hint}")
     process_set = _process_set(rt, ranks)
     return GradsyncProcessGroup(opts.group_rank, opts.group_size, process_set, ranks, _p2p_comm(rt, ranks),
                                 seconds(getattr(opts, "timeout", None)))

@@ -55,15 +55,22 @@ def reduction(op: dist.ReduceOp | None, dtype: torch.dtype, where: str) -> Reduc
         TypeError: a bitwise op on a floating-point tensor; an op torch has that gradsync does not
             (the message names it and ``where``).
     """
-    kind = RedOpType.SUM if op is None else _kind(op)
-    if kind != RedOpType.PREMUL_SUM:  # the same answer every time for (op, dtype): made once
-        return _plain(kind, dtype, where)
-    return _reduction(kind, op, dtype, where)
+    # The op's kind as a Python int: every call on torch's RedOpType (``.op``, ``==``, hashing it
+    # as a key) goes through pybind11, some microseconds each when its code is not in the
+    # CPU's caches (a blocking call between others); an int is compared and hashed in C.
+    value = _SUM if op is None else int(_kind(op))
+    if value == _PREMUL_SUM:
+        return _reduction(_kind(op), op, dtype, where)
+    return _plain(value, dtype, where)  # the same answer every time for (op, dtype): made once
+
+
+_SUM, _PREMUL_SUM = int(RedOpType.SUM), int(RedOpType.PREMUL_SUM)
+_KINDS = {int(kind): kind for kind in RedOpType.__members__.values()}
 
 
 @functools.lru_cache(maxsize=256)
-def _plain(kind: RedOpType, dtype: torch.dtype, where: str) -> Reduction:
-    return _reduction(kind, None, dtype, where)
+def _plain(value: int, dtype: torch.dtype, where: str) -> Reduction:
+    return _reduction(_KINDS[value], None, dtype, where)
 
 
 def _reduction(kind: RedOpType, op: dist.ReduceOp | None, dtype: torch.dtype, where: str) -> Reduction:

@@ -194,6 +194,14 @@ class FutureWork(dist.Work):
         return self._source()
 
 
+class _Finished(FutureWork):
+    """The Work of a blocking call that was finished before it returned
+    (:meth:`Completer.finished`): its future is complete, and :meth:`wait` returns at once."""
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        return True
+
+
 def _settle(outputs: Sequence[Any]) -> None:
     """Block this thread until the GPU work writing the CUDA tensors among ``outputs`` has run:
     the engine's collective (each handle's ``wait()`` made this thread's current stream wait for
@@ -216,7 +224,7 @@ def seconds(timeout: Any) -> float | None:
 _C10D = "torch.distributed.distributed_c10d"
 
 
-class waited_at_once:  # noqa: N801 - used as a function, ``with waited_at_once():``
+class waited_at_once:  # noqa: N801 - used as a function, ``with waited_at_once(opts):``
     """Around a process-group method's submissions: if the ``torch.distributed`` function that
     called the method is blocking (``async_op=False``: it calls ``work.wait()`` as soon as the
     method returns), they are pushed without waking gradsync's coordinator thread
@@ -224,15 +232,25 @@ class waited_at_once:  # noqa: N801 - used as a function, ``with waited_at_once(
     coordinator idle and runs the cycle itself (caller runs): no hand-off to another thread and
     back (0.17 ms against 0.12 ms for a 4 KiB ``all_reduce`` on 2 ranks, docs/torch-distributed.md).
     Anything else (an ``async_op=True`` call, DDP's reducer, a caller not in torch.distributed)
-    submits as usual. A class rather than a generator: every call enters one."""
+    submits as usual. A class rather than a generator: every call enters one.
 
-    __slots__ = ("_token",)
+    Recent torch (2.13 here) says which in the method's options, ``opts.asyncOp`` (every
+    collective of torch.distributed sets it to its ``async_op``; torch's C++ callers leave its
+    default, True): one read. Older torch, or a method without options, says it only in the calling function's
+    frame (:func:`_blocking_caller`), some microseconds more of a blocking call."""
+
+    __slots__ = ("_opts", "_token")
+
+    def __init__(self, opts: Any = None) -> None:
+        self._opts = opts
 
     def __enter__(self) -> bool:
         """Whether the caller is blocking (then the call may finish before it returns,
         :meth:`Completer.finished`)."""
-        self._token = QUIET.set(True) if _blocking_caller(sys._getframe(2)) else None
-        return self._token is not None
+        async_op = getattr(self._opts, "asyncOp", None)
+        blocking = async_op is False if async_op is not None else _blocking_caller(sys._getframe(2))
+        self._token = QUIET.set(True) if blocking else None
+        return blocking
 
     def __exit__(self, *exc_info: object) -> None:
         if self._token is not None:
@@ -369,7 +387,7 @@ class Completer:
         self._expired = False  # a call timed out: its thread may wait for it for good
         done: torch.futures.Future = torch.futures.Future()
         done.set_result([])
-        self._waited = FutureWork(done)  # what finished() returns (a blocking call's Work)
+        self._waited = _Finished(done)  # what finished() returns (a blocking call's Work)
 
     def work(self, pending: Sequence[Pending], finish: Finish,
              source: Callable[[], int] | None = None, timeout: float | None = None,
