@@ -22,6 +22,7 @@ from . import launch, mpi_environment
 if TYPE_CHECKING:  # imported by init() only: they import mpi4py.MPI, which initialises MPI
     from ..backends.mpi import MpiBackend
     from ..engine.coordinator import Coordinator
+    from .key_value_store import KeyValueStore
 
 log = logging.getLogger("gradsync")
 
@@ -67,6 +68,7 @@ class Runtime:
         self.comm = world.Dup()  # the coordinator's own communicator: no other thread uses it
         # The user thread's communicator, for registering process sets (collective over all ranks).
         self.control = world.Dup()
+        self._key_value_store: KeyValueStore | None = None
         self.backend = self._data_backend(local, cross)
         self._unnamed: dict[tuple[int, str], int] = {}
         self.gpu_claims = GpuClaims()  # which process set drives NCCL on each GPU
@@ -94,6 +96,17 @@ class Runtime:
             cross.Free()
             cross = None
         return MpiBackend(self.comm, local=local, cross=cross)
+
+    def key_value_store(self) -> KeyValueStore:
+        """The key-value store every rank sees (:mod:`.key_value_store`; torch.distributed's
+        rendezvous hands it to torch). Collective on its first call, which makes it: every rank
+        must call it, in the same order as its other collective calls on the user thread's
+        communicator (new process sets, torch groups); then the same object, until shutdown."""
+        if self._key_value_store is None:
+            from .key_value_store import KeyValueStore
+
+            self._key_value_store = KeyValueStore(self.control.Dup(), self.rank)
+        return self._key_value_store
 
     def _coordinators(self) -> list[Coordinator]:
         return [state.coordinator for state in list(self.process_sets.values())
@@ -355,6 +368,8 @@ def shutdown() -> None:
             state.process_set.process_set_id = None
         _stop_coordinator(runtime, state.coordinator, state.comm)
     runtime.process_sets.clear()
+    if runtime._key_value_store is not None:
+        runtime._key_value_store.close()
     runtime.control.Free()
 
 

@@ -179,18 +179,18 @@ def export_from_launcher(environ: dict[str, str] | None = None) -> None:
 
 
 def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-    """``init_method="gradsync://"``: gradsync's rank and size, and a process-local store (the
-    backend exchanges nothing through it: c10d keeps its bookkeeping there). Sets torchrun's
-    rank variables where unset (:func:`export_launcher_variables`).
+    """``init_method="gradsync://"``: gradsync's rank and size, and a store every rank shares, over
+    MPI (:mod:`.store`; the backend itself exchanges nothing through it). Sets torchrun's rank
+    variables where unset (:func:`export_launcher_variables`). Collective: every rank calls it.
 
     Raises:
         ValueError: a ``rank`` or ``world_size`` (given to ``init_process_group``) other than gradsync's.
     """
-    import torch.distributed as dist
-
     from ...process import runtime
+    from .store import rendezvous_store
 
     runtime.init()
+    store = rendezvous_store(runtime.get())  # collective: before anything that may raise on one rank
     query = {key: int(values[0]) for key, values in parse_qs(urlparse(url).query).items()
              if key in ("rank", "world_size")}
     rank, size = runtime.rank(), runtime.size()
@@ -199,4 +199,4 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
             raise ValueError(f"gradsync://: {key}={query[key]} was given, but gradsync's {key} is "
                              f"{mine} (leave it out: it comes from the MPI launcher)")
     export_launcher_variables(rank, size, runtime.local_rank(), runtime.local_size())
-    yield dist.HashStore(), rank, size
+    yield store, rank, size
