@@ -96,6 +96,23 @@ def test_a_dist_all_reduce_one_rank_never_issues_fails_every_rank_from_torch(ran
     assert f"rank {last}: after the stall: StallError" in out, out
 
 @pytest.mark.mpi
+@pytest.mark.torch
+def test_a_new_group_one_member_never_creates_fails_within_its_timeout():
+    """tests/workers/torch_new_group_missing.py: rank 0's ``new_group([0, 1], timeout=2 s)``, which
+    rank 1 never calls, raises torch's DistBackendError naming rank 1 after the timeout (the
+    communicator's set-up, a collective call, would otherwise wait forever), and the default group
+    still sums on both ranks afterwards."""
+    out = run_mpi("torch_new_group_missing.py", 2, timeout=90).stdout
+    error = re.search(r"rank 0: ERROR (\w+) (\d+\.\d+) \| ([^\n]*)", out)
+    assert error is not None, out
+    kind, took, message = error.group(1), float(error.group(2)), error.group(3)
+    assert kind == "DistBackendError", out
+    assert "rank 0: new_group([0, 1]): rank(s) [1] did not call it within 2 s" in message, out
+    assert 2.0 <= took <= 6.0, out
+    assert "rank 0: AFTER [2.0, 2.0]" in out and "rank 1: AFTER [2.0, 2.0]" in out, out
+
+
+@pytest.mark.mpi
 def test_a_name_submitted_on_different_process_sets_is_reported_as_a_stall():
     env = {"GRADSYNC_STALL_CHECK_TIME_SECONDS": "1", "GRADSYNC_STALL_SHUTDOWN_TIME_SECONDS": "3"}
     out = run_mpi("process_set_mismatch.py", 3, env=env, timeout=120, check=False).stdout

@@ -21,6 +21,7 @@ RANKS = (1, 2)
 
 import gradsync.torch  # noqa: E402,F401 - registers the backend
 from gradsync.torch.distributed import uses_only_gradsync  # noqa: E402
+from gradsync.torch.distributed.group import GradsyncProcessGroup  # noqa: E402
 
 
 @pytest.fixture
@@ -138,6 +139,37 @@ def test_a_key_never_set_raises_torchs_store_error_naming_it(no_master, rank):
         store.get("never-set")
 
 
+def test_num_keys_and_delete_key_answer_through_torchs_prefix_store(no_master, rank, size):
+    dist.init_process_group("gradsync")
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    before = store.num_keys()
+    dist.barrier()
+    store.set(f"counted/{rank}", "1")
+    dist.barrier()
+    assert store.num_keys() == before + size
+    dist.barrier()  # every rank counted before any deletes
+    assert store.delete_key(f"counted/{rank}")
+    assert not store.delete_key(f"counted/{rank}")
+
+
+def test_after_gradsync_shutdown_the_store_and_the_group_say_what_happened(no_master, rank):
+    """``gradsync.shutdown()`` before ``destroy_process_group()``: the store and the collectives
+    raise errors that name the shutdown (not torch's internal assertion); init again after."""
+    dist.init_process_group("gradsync")
+    store = dist.distributed_c10d._get_default_store()
+    gradsync.shutdown()
+    try:
+        with raises(dist.DistStoreError, f"rank {rank}", "gradsync.shutdown() was called"):
+            store.get("anything")
+        with raises(gradsync.NotInitializedError, "gradsync.shutdown() was called",
+                    "dist.destroy_process_group() before shutdown()"):
+            dist.all_reduce(torch.ones(2))
+    finally:
+        dist.destroy_process_group()
+        gradsync.init()
+
+
 def test_the_store_answers_as_torchs_hash_store(no_master, rank):
     """The same calls on the default store and on torch's own HashStore give the same answers
     (each rank on keys of its own)."""
@@ -164,12 +196,22 @@ def test_another_backend_keeps_torchs_default_and_its_error(no_master):
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:gradsync"])
-def test_gloo_rendezvous_at_gradsync_through_its_shared_store(no_master, rank, size, backend):
+def test_gloo_rendezvous_at_gradsync_through_its_shared_store(no_master, rank, size):
     """gloo's ranks find each other through the store: gradsync's, shared over MPI, serves them
     under mpiexec with no MASTER_ADDR."""
-    dist.init_process_group(backend, init_method="gradsync://", timeout=timedelta(seconds=60))
-    assert dist.get_backend() == backend
+    dist.init_process_group("gloo", init_method="gradsync://", timeout=timedelta(seconds=60))
+    assert dist.get_backend() == "gloo"
+    assert not isinstance(dist.distributed_c10d._get_default_group(), GradsyncProcessGroup)
+    assert summed_over_ranks(rank).tolist() == [size * (size + 1) / 2] * 3
+
+
+def test_a_list_that_gives_a_device_to_another_backend_warns_that_gradsync_serves_it(no_master, rank, size):
+    """torch uses the process group a Python backend returns for every device: the CPU's
+    collectives of "cpu:gloo,cuda:gradsync" run on gradsync, and the user is told so."""
+    with pytest.warns(UserWarning, match=r"gives \{'cpu': 'gloo'\} to another backend"):
+        dist.init_process_group("cpu:gloo,cuda:gradsync", init_method="gradsync://",
+                                timeout=timedelta(seconds=60))
+    assert isinstance(dist.distributed_c10d._get_default_group(), GradsyncProcessGroup)
     assert summed_over_ranks(rank).tolist() == [size * (size + 1) / 2] * 3
 
 

@@ -6,8 +6,10 @@ starts a TCPStore on ``MASTER_ADDR:MASTER_PORT``); c10d's store barrier
 needs no port and no file: it travels on a communicator of its own, duplicated from the world.
 
 Rank 0 answers from a thread that polls for requests (``MPI_Improbe``) and sleeps between polls:
-1 ms after a request, doubling to 50 ms while none comes, so an idle store costs 20 wake-ups a
-second and no core (a thread blocked in ``MPI_Recv`` spins a core under MPICH). A request is a
+0.1 ms for 0.1 s after a request (the next one of a barrier or a rendezvous comes soon), then
+doubling up to 20 ms while none comes, so an idle store costs 50 wake-ups a second and no core (a
+thread blocked in ``MPI_Recv`` spins a core under MPICH): a request answers in well under a
+millisecond when the store is busy, in up to 20 ms after a quiet spell. A request is a
 small pickled tuple; each one's answer comes back on a tag of its own, so threads of one rank may
 ask at once. Blocking reads (``get`` of a key not set yet, ``wait``) are polls by the caller,
 so the server never holds a request open. Rank 0's own calls read the keys directly.
@@ -26,10 +28,18 @@ from typing import Any
 
 #: The tag of requests to rank 0; answers come on tags 1 .. MPI_TAG_UB, one per request.
 REQUEST_TAG = 0
-#: rank 0's polling interval in seconds: after a request, and its bound while none comes.
-SERVER_POLL = (0.001, 0.05)
-#: A caller's polling interval in seconds (its answer, a key not set yet): first and bound.
-CALLER_POLL = (0.0002, 0.01)
+#: Polling, in seconds: ``(pause, hot, bound)``: every ``pause`` while the last request (rank 0)
+#: or the wait (a caller) is under ``hot`` seconds old, then doubling from 1 ms up to ``bound``.
+SERVER_POLL = (0.0001, 0.1, 0.02)
+CALLER_POLL = (0.0001, 0.02, 0.01)
+
+
+def poll_pause(since: float, now: float, last: float, poll: tuple[float, float, float]) -> float:
+    """The next pause of a poll that began (or last saw a request) at ``since``, after ``last``."""
+    pause, hot, bound = poll
+    if now - since < hot:
+        return pause
+    return min(max(2 * last, 0.001), bound)
 
 
 class KeyValueStore:
@@ -52,8 +62,6 @@ class KeyValueStore:
         self._tag_bound = int(comm.Get_attr(MPI.TAG_UB))
         self._tags = itertools.count()
         self._namespaces = itertools.count()
-        #: Python objects that must live as long as the store (see :meth:`keep_alive`).
-        self._kept: list[Any] = []
         self._lock = threading.Lock()
         self._keys: dict[str, bytes] = {}
         self._stop = threading.Event()
@@ -136,27 +144,22 @@ class KeyValueStore:
         rendezvous: a new default group does not see the keys of an earlier one)."""
         return f"{next(self._namespaces)}/"
 
-    def keep_alive(self, owner: Any) -> None:
-        """Hold a reference to ``owner`` until :meth:`close` (torch keeps a Python store subclass by
-        its C++ part only: without a Python reference its methods are gone)."""
-        self._kept.append(owner)
-
     def close(self) -> None:
         """Stop rank 0's thread and free the communicator (at ``gradsync.shutdown()``); a caller
-        still waiting for an answer gets its TimeoutError."""
+        still waiting for an answer, and every call after, gets a TimeoutError that says so."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._kept.clear()
         self._comm.Free()
 
     # -- the caller's side
     def _call(self, op: str, args: tuple, timeout: float) -> Any:
+        if self._stop.is_set():
+            raise TimeoutError(f"gradsync: rank {self._rank}: the key-value store is closed: "
+                               f"gradsync.shutdown() was called (before destroy_process_group(), "
+                               f"if this is torch's store); {op} was not sent")
         if self._server:
             return self._apply(op, args)
-        if self._stop.is_set():
-            raise TimeoutError(f"gradsync: rank {self._rank}: the key-value store is closed "
-                               f"(gradsync.shutdown() was called); {op} was not sent")
         tag = 1 + next(self._tags) % self._tag_bound
         sent = self._comm.isend((op, args, tag), dest=0, tag=REQUEST_TAG)
         message = self._poll(lambda: self._comm.improbe(source=0, tag=tag),
@@ -172,19 +175,20 @@ class KeyValueStore:
         """``attempt()`` until ``done`` holds of its result, sleeping between attempts; TimeoutError
         after ``timeout`` seconds naming ``keys`` (the keys waited for) or ``op`` (an answer from
         rank 0 waited for). Each attempt that asks rank 0 waits up to ``timeout`` for its answer."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         pause = CALLER_POLL[0]
         while True:
             result = attempt()
             if done(result):
                 return result
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = start + timeout - now
             if left <= 0 or self._stop.is_set():
                 what = (f"key(s) {keys} were not set" if keys is not None else
                         f"the store's {op} got no answer from rank 0 (is rank 0 still running?)")
                 raise TimeoutError(f"gradsync: rank {self._rank}: {what} within {timeout:g} s")
+            pause = poll_pause(start, now, pause, CALLER_POLL)
             time.sleep(min(pause, left))
-            pause = min(pause * 2, CALLER_POLL[1])
 
     # -- rank 0's side
     def _serve(self) -> None:
@@ -193,20 +197,21 @@ class KeyValueStore:
         status = MPI.Status()
         sending: list[Any] = []
         pause = SERVER_POLL[0]
+        last_request = time.monotonic()
         while not self._stop.is_set():
             message = self._comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)
             if message is None:
                 sending = [request for request in sending if not request.Test()]
+                pause = poll_pause(last_request, time.monotonic(), pause, SERVER_POLL)
                 self._stop.wait(pause)
-                pause = min(pause * 2, SERVER_POLL[1])
                 continue
+            last_request = time.monotonic()
             op, args, tag = message.recv()
             try:
                 answer = (True, self._apply(op, args))
             except Exception as error:  # noqa: BLE001 - the caller raises it
                 answer = (False, error if _picklable(error) else RuntimeError(repr(error)))
             sending.append(self._comm.isend(answer, dest=status.Get_source(), tag=tag))
-            pause = SERVER_POLL[0]
 
     def _apply(self, op: str, args: tuple) -> Any:
         with self._lock:

@@ -185,11 +185,21 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
 
     Raises:
         ValueError: a ``rank`` or ``world_size`` (given to ``init_process_group``) other than gradsync's.
+        torch.distributed.DistStoreError: a rank did not call ``init_process_group`` within its
+            ``timeout`` (as torch's TCPStore rendezvous raises it).
     """
+    import torch.distributed as dist
+
     from ...process import runtime
     from .store import rendezvous_store
 
     runtime.init()
+    wait = kwargs.get("timeout")
+    try:  # no rank waits forever in the store's collective set-up for a rank that never comes
+        runtime.get().await_ranks(list(range(runtime.size())),
+                                  None if wait is None else wait.total_seconds(), "init_process_group")
+    except TimeoutError as error:
+        raise dist.DistStoreError(str(error)) from error
     store = rendezvous_store(runtime.get())  # collective: before anything that may raise on one rank
     query = {key: int(values[0]) for key, values in parse_qs(urlparse(url).query).items()
              if key in ("rank", "world_size")}

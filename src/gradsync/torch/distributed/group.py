@@ -11,7 +11,9 @@ n-th call has the same name on every rank.
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -245,6 +247,8 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
 
     Raises:
         ValueError: torch's rank or size disagree with gradsync's; group ranks that are not sorted.
+        torch.distributed.DistBackendError: a member of the group did not create it within the
+            group's timeout (``Runtime.await_ranks``; the message names the missing ranks).
     """
     runtime.init()  # no-op when running; the rendezvous already initialised gradsync for the default group
     rt = runtime.get()
@@ -261,9 +265,35 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
         raise ValueError(f"gradsync: rank {rt.rank}: torch says rank {opts.group_rank} of "
                          f"{opts.group_size} in {group}, but this is gradsync's rank {rt.rank} "
                          f"of {rt.size}{hint}")
+    others = _devices_of_other_backends()
+    if others:
+        warnings.warn(f"gradsync: rank {rt.rank}: the backend list gives {others} to another backend, "
+                      "but torch uses the process group that gradsync's backend returns for every "
+                      "device: their collectives run on gradsync too. Name gradsync alone, or leave "
+                      "it out", stacklevel=2)
+    timeout = seconds(getattr(opts, "timeout", None))
+    what = f"new_group({ranks})" if opts.global_ranks_in_group else "init_process_group"
+    try:  # the members' collective calls below would wait forever for a member that never comes
+        rt.await_ranks(ranks, timeout, what)
+    except TimeoutError as error:
+        raise dist.DistBackendError(str(error)) from error
     process_set = _process_set(rt, ranks)
     return GradsyncProcessGroup(opts.group_rank, opts.group_size, process_set, ranks, _p2p_comm(rt, ranks),
-                                seconds(getattr(opts, "timeout", None)))
+                                timeout)
+
+
+def _devices_of_other_backends() -> dict[str, str]:
+    """The devices that the backend list of the group torch is making (``"cpu:gloo,cuda:gradsync"``,
+    read from the frame of torch's ``_new_process_group_helper``, which calls the creator) gives to
+    a backend other than gradsync; empty where there is none or the frame is not found."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "_new_process_group_helper":
+        frame = frame.f_back
+    config = frame.f_locals.get("backend_config") if frame is not None else None
+    if config is None:
+        return {}
+    return {str(device): str(backend) for device, backend in config.get_device_backend_map().items()
+            if str(backend).lower() != "gradsync"}
 
 
 def _p2p_comm(rt: Any, ranks: list[int]) -> Any:

@@ -21,6 +21,12 @@ from ...process.key_value_store import KeyValueStore
 
 T = TypeVar("T")
 
+#: Every GradsyncStore made in this process. torch holds a Python store subclass by its C++ part
+#: only: once no Python reference is left its methods are gone, and a call (a group that outlived
+#: ``gradsync.shutdown()``, a store torch kept) fails with torch's internal assertion instead of
+#: gradsync's error. One small object per ``init_process_group``; never freed, deliberately.
+_MADE: list[GradsyncStore] = []
+
 
 def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
@@ -35,7 +41,7 @@ class GradsyncStore(dist.Store):
         super().__init__()
         self._shared = shared
         self._prefix = prefix
-        shared.keep_alive(self)
+        _MADE.append(self)
 
     def _seconds(self, timeout: timedelta | None = None) -> float:
         return (timeout if timeout is not None else self.timeout).total_seconds()
@@ -84,6 +90,11 @@ class GradsyncStore(dist.Store):
     def num_keys(self) -> int:
         """How many keys this rendezvous's store holds."""
         return self._run(lambda: self._shared.num_keys(self._prefix, self._seconds()))
+
+    # torch's PrefixStore (every store torch hands out wraps this one in it) looks these two up by
+    # their C++ names
+    getNumKeys = num_keys  # noqa: N815
+    deleteKey = delete_key  # noqa: N815
 
     def has_extended_api(self) -> bool:
         return True
