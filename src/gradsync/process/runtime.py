@@ -475,9 +475,9 @@ def get() -> Runtime:
     if runtime is None:
         if _was_shut_down:
             raise NotInitializedError(
-                "gradsync is no longer initialised: gradsync.shutdown() was called (or the "
-                "interpreter is exiting); call gradsync.init() again first (a torch.distributed "
-                "group on the gradsync backend: dist.destroy_process_group() before shutdown())")
+                "gradsync is not initialised: gradsync.shutdown() was called (or the interpreter "
+                "is exiting); call gradsync.init() first (a torch.distributed group on the "
+                "gradsync backend: dist.destroy_process_group() before shutdown())")
         raise NotInitializedError("gradsync is not initialised: call gradsync.init() first")
     if runtime.forked:  # (a flag set at fork: os.getpid() is a system call, and every op asks)
         raise GradsyncError(
