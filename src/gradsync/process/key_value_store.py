@@ -26,20 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .polling import poll_pause, poll_until
+
 #: The tag of requests to rank 0; answers come on tags 1 .. MPI_TAG_UB, one per request.
 REQUEST_TAG = 0
-#: Polling, in seconds: ``(pause, hot, bound)``: every ``pause`` while the last request (rank 0)
-#: or the wait (a caller) is under ``hot`` seconds old, then doubling from 1 ms up to ``bound``.
+#: rank 0's polling, in seconds, as :data:`.polling.CALLER_POLL`: every 0.1 ms for 0.1 s after a
+#: request, then doubling from 1 ms up to 20 ms.
 SERVER_POLL = (0.0001, 0.1, 0.02)
-CALLER_POLL = (0.0001, 0.02, 0.01)
-
-
-def poll_pause(since: float, now: float, last: float, poll: tuple[float, float, float]) -> float:
-    """The next pause of a poll that began (or last saw a request) at ``since``, after ``last``."""
-    pause, hot, bound = poll
-    if now - since < hot:
-        return pause
-    return min(max(2 * last, 0.001), bound)
 
 
 class KeyValueStore:
@@ -175,20 +168,12 @@ class KeyValueStore:
         """``attempt()`` until ``done`` holds of its result, sleeping between attempts; TimeoutError
         after ``timeout`` seconds naming ``keys`` (the keys waited for) or ``op`` (an answer from
         rank 0 waited for). Each attempt that asks rank 0 waits up to ``timeout`` for its answer."""
-        start = time.monotonic()
-        pause = CALLER_POLL[0]
-        while True:
-            result = attempt()
-            if done(result):
-                return result
-            now = time.monotonic()
-            left = start + timeout - now
-            if left <= 0 or self._stop.is_set():
-                what = (f"key(s) {keys} were not set" if keys is not None else
-                        f"the store's {op} got no answer from rank 0 (is rank 0 still running?)")
-                raise TimeoutError(f"gradsync: rank {self._rank}: {what} within {timeout:g} s")
-            pause = poll_pause(start, now, pause, CALLER_POLL)
-            time.sleep(min(pause, left))
+        def timed_out() -> TimeoutError:
+            what = (f"key(s) {keys} were not set" if keys is not None else
+                    f"the store's {op} got no answer from rank 0 (is rank 0 still running?)")
+            return TimeoutError(f"gradsync: rank {self._rank}: {what} within {timeout:g} s")
+
+        return poll_until(attempt, done, timeout, timed_out, self._stop.is_set)
 
     # -- rank 0's side
     def _serve(self) -> None:

@@ -15,8 +15,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..config import Config
 from ..errors import GradsyncError, NotInitializedError
 from . import launch, mpi_environment
@@ -30,8 +28,6 @@ log = logging.getLogger("gradsync")
 
 #: The first id of the process sets registered by their members only (add_member_process_set).
 MEMBER_SET_IDS = 1 << 20
-#: The tag of await_ranks's tokens on the user thread's communicator (no other message uses it).
-AWAIT_RANKS_TAG = 7301
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,46 +96,6 @@ class Runtime:
             cross.Free()
             cross = None
         return MpiBackend(self.comm, local=local, cross=cross)
-
-    def await_ranks(self, ranks: list[int], timeout: float | None, what: str) -> None:
-        """Return once every other rank of ``ranks`` (world ranks, this one among them) has called
-        this too, for ``what``: each sends the others a one-byte token on the user thread's
-        communicator and waits for theirs, polling, so that the collective calls that follow (a
-        communicator made of ``ranks``) never wait for a rank that will not come. ``timeout``:
-        seconds (None: no bound).
-
-        Raises:
-            TimeoutError: a rank's token did not come within ``timeout``; the message names
-                ``what``, this rank and the ranks that did not call. Its token may arrive
-                later, so the ranks' next ``await_ranks`` calls no longer pair up: after this error
-                the job should end, as after any collective that timed out.
-        """
-        from mpi4py import MPI
-
-        from .key_value_store import CALLER_POLL, poll_pause
-
-        others = [rank for rank in ranks if rank != self.rank]
-        if not others:
-            return
-        token = np.zeros(1, np.uint8)
-        inbox = np.zeros(len(others), np.uint8)
-        sends = [self.control.Isend([token, MPI.BYTE], dest=rank, tag=AWAIT_RANKS_TAG) for rank in others]
-        receives = [self.control.Irecv([inbox[i:i + 1], MPI.BYTE], source=rank, tag=AWAIT_RANKS_TAG)
-                    for i, rank in enumerate(others)]
-        start = time.monotonic()
-        pause = CALLER_POLL[0]
-        while not MPI.Request.Testall(receives):
-            now = time.monotonic()
-            if timeout is not None and now - start >= timeout:
-                missing = [rank for rank, request in zip(others, receives) if not request.Test()]
-                for request in receives:
-                    request.Cancel()
-                MPI.Request.Waitall(receives)
-                raise TimeoutError(f"gradsync: rank {self.rank}: {what}: rank(s) {missing} did not "
-                                   f"call it within {timeout:g} s (every rank of {ranks} must)")
-            pause = poll_pause(start, now, pause, CALLER_POLL)
-            time.sleep(pause)
-        MPI.Request.Waitall(sends)
 
     def key_value_store(self) -> KeyValueStore:
         """The key-value store every rank sees (:mod:`.key_value_store`; torch.distributed's

@@ -191,13 +191,15 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     import torch.distributed as dist
 
     from ...process import runtime
+    from ...process.polling import await_ranks
     from .store import rendezvous_store
 
     runtime.init()
     wait = kwargs.get("timeout")
     try:  # no rank waits forever in the store's collective set-up for a rank that never comes
-        runtime.get().await_ranks(list(range(runtime.size())),
-                                  None if wait is None else wait.total_seconds(), "init_process_group")
+        rt = runtime.get()
+        await_ranks(rt.control, rt.rank, list(range(rt.size)),
+                    None if wait is None else wait.total_seconds(), "init_process_group")
     except TimeoutError as error:
         raise dist.DistStoreError(str(error)) from error
     store = rendezvous_store(runtime.get())  # collective: before anything that may raise on one rank

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ...process import runtime
+from ...process.polling import await_ranks
 from ...process_sets import ProcessSet, global_process_set
 from . import movement, reductions
 from .point_to_point import PointToPoint
@@ -248,7 +249,8 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
     Raises:
         ValueError: torch's rank or size disagree with gradsync's; group ranks that are not sorted.
         torch.distributed.DistBackendError: a member of the group did not create it within the
-            group's timeout (``Runtime.await_ranks``; the message names the missing ranks).
+            group's timeout (:func:`gradsync.process.polling.await_ranks`; the message names the
+            missing ranks).
     """
     runtime.init()  # no-op when running; the rendezvous already initialised gradsync for the default group
     rt = runtime.get()
@@ -274,7 +276,7 @@ def create(opts: Any, pg_options: Any = None) -> GradsyncProcessGroup:
     timeout = seconds(getattr(opts, "timeout", None))
     what = f"new_group({ranks})" if opts.global_ranks_in_group else "init_process_group"
     try:  # the members' collective calls below would wait forever for a member that never comes
-        rt.await_ranks(ranks, timeout, what)
+        await_ranks(rt.control, rt.rank, ranks, timeout, what)
     except TimeoutError as error:
         raise dist.DistBackendError(str(error)) from error
     process_set = _process_set(rt, ranks)
