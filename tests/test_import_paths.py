@@ -41,6 +41,10 @@ FRAMEWORKS = [
     ("gradsync.tensorflow.util", ("tensorflow",)),
     ("gradsync.keras", ("keras",)), ("gradsync.keras.callbacks", ("keras",)),
     ("gradsync.keras.elastic", ("keras",)),
+    # horovod.tensorflow.keras's paths, for gradsync.keras
+    ("gradsync.tensorflow.keras", ("tensorflow", "keras")),
+    ("gradsync.tensorflow.keras.callbacks", ("tensorflow", "keras")),
+    ("gradsync.tensorflow.keras.elastic", ("tensorflow", "keras")),
     ("gradsync.lightning", ("torch", "lightning")),
     ("gradsync.ray", ("ray",)),
 ]
@@ -73,6 +77,22 @@ def test_gradsync_torch_and_its_horovod_submodules_import_from_their_paths(name)
 @pytest.mark.parametrize("name", [framework_param(m, markers) for m, markers in FRAMEWORKS])
 def test_the_framework_packages_import_from_their_paths(name):
     assert_imports_from_its_own_path(name)
+
+
+@pytest.mark.tensorflow
+@pytest.mark.keras
+def test_horovods_tensorflow_keras_path_gives_gradsync_keras_own_objects():
+    """``import horovod.tensorflow.keras as hvd`` ported as ``gradsync.tensorflow.keras``: the same
+    functions and classes as gradsync.keras (not copies: isinstance and registries agree)."""
+    keras_path = importlib.import_module("gradsync.keras")
+    tf_path = importlib.import_module("gradsync.tensorflow.keras")
+    for name in keras_path.__all__:
+        if name not in ("callbacks", "elastic"):
+            assert getattr(tf_path, name) is getattr(keras_path, name), name
+    for sub in ("callbacks", "elastic"):
+        ours, theirs = getattr(keras_path, sub), importlib.import_module(f"gradsync.tensorflow.keras.{sub}")
+        assert ours.__all__ and all(getattr(theirs, n) is getattr(ours, n) for n in ours.__all__), sub
+        assert getattr(tf_path, sub) is theirs
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="CuPy is not installed")

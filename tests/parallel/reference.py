@@ -46,10 +46,12 @@ DTYPES = {
     "float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64), "uint8": np.dtype(np.uint8), "int8": np.dtype(np.int8),
     "int16": np.dtype(np.int16), "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
+    "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32), "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
 }
 FLOATS = ("float16", "bfloat16", "float32", "float64")
-INTS = ("uint8", "int8", "int16", "int32", "int64")
+UNSIGNED = ("uint16", "uint32", "uint64")
+INTS = ("uint8", "int8", "int16", "int32", "int64") + UNSIGNED
 OPS = (Average, Sum, Min, Max, Product)
 
 
@@ -95,7 +97,7 @@ def make(case: str, rank: int, dtype: str, shape: tuple[int, ...], op=Sum) -> np
     info = np.iinfo(dt)
     if op == Product:
         lo, hi = (0, 3) if info.min == 0 else (-3, 3)
-    elif op == Sum or (op == Average and dtype == "int64"):
+    elif op == Sum or (op == Average and dtype in ("int64", "uint64")):
         lo, hi = info.min // 4, info.max // 4  # the sum of up to 4 ranks fits the dtype
     else:  # Min, Max, and Average of the narrow ints, which must not overflow (int64 accumulator)
         lo, hi = info.min, info.max
@@ -118,11 +120,11 @@ def reference_allreduce(inputs: list[np.ndarray], op, prescale=1.0, postscale=1.
     if name_of(dtype) in FLOATS:
         return _floating_reference(inputs, op, prescale, postscale)
     assert prescale == postscale == 1.0
-    stacked = np.stack([x.astype(np.int64) for x in inputs])
+    stacked = np.stack([x.astype(object) for x in inputs])  # Python's exact integers
     if op == Sum:
         result = stacked.sum(axis=0)
     elif op == Average:
-        result = np.floor_divide(stacked.sum(axis=0), len(inputs))  # floor of the exact mean
+        result = stacked.sum(axis=0) // len(inputs)  # floor of the exact mean
     else:
         result = {Min: stacked.min, Max: stacked.max, Product: stacked.prod}[op](axis=0)
     result = np.asarray(result)

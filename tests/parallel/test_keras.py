@@ -209,6 +209,25 @@ def test_horovods_keras_mnist_fit_trains_as_one_process_from_the_roots_weights(c
     assert_same_on_every_rank(model.get_weights(), case)
 
 
+def test_a_model_with_dropout_keeps_every_ranks_weights_identical(case, rank):
+    """Horovod's Keras MNIST examples have Dropout layers, whose seed state is a model variable
+    (uint32 on jax, int64 on the other backends): the broadcast callback moves it with the
+    weights, and fit keeps every variable identical on every rank."""
+    x, y = digits_data(rank, 3 * B)
+    keras.utils.set_random_seed(100 + rank)
+    model = keras.Sequential([keras.Input((IMAGE, IMAGE, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.Dropout(0.25), keras.layers.Flatten(),
+                              keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(CLASSES, activation="softmax")])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(),
+                  optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)))
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    state = [v for v in model.variables if "seed" in v.path]
+    assert state, [v.path for v in model.variables]
+    assert_same_on_every_rank([keras.ops.convert_to_numpy(v) for v in model.variables], case)
+
+
 def test_the_wrapped_optimizer_keeps_its_config_and_load_model_wraps_it_again(case, tmp_path):
     optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, beta_1=0.8))
     assert isinstance(optimizer, keras.optimizers.Adam)

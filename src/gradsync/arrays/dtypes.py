@@ -10,8 +10,10 @@ tensor dtype                accumulator            why
 float16, bfloat16 (MPI)     float32                MPI has no 16-bit floating-point type; summing
                                                    in float32 and rounding once is also more exact.
                                                    (NCCL sums them natively, in 16 bits.)
-int8, int16, int32, uint8   int64 for ``Average``  the sum must not overflow before the division.
-int16 (NCCL)                int32                  NCCL has no 16-bit integer type.
+int8/16/32, uint8/16/32     int64 for ``Average``  the sum must not overflow before the division.
+uint64                      itself for ``Average`` (int64 would not hold it)
+int16, uint16 (NCCL)        int32                  NCCL has no 16-bit integer type; int32 sums
+                                                   taken modulo 2**16 are the 16-bit sums.
 bool                        uint8 (logical ops)    Sum/Max are logical OR, Min/Product logical AND.
 everything else             itself
 ==========================  =====================  =================================================
@@ -51,13 +53,16 @@ NUMPY_DTYPES: dict[str, np.dtype] = _NumpyDtypes({
     "int16": np.dtype(np.int16),
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
 })
 
 SUPPORTED = ("float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
-             "bool")
+             "uint16", "uint32", "uint64", "bool")
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
-INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
+INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"})
 
 
 #: gradsync name of each supported numpy dtype (dtype_name's fast path: one dict lookup per op).
@@ -83,18 +88,19 @@ def dtype_name(dtype: np.dtype) -> str:
 
 #: What MPI reduces natively: everything but the 16-bit floats (MPI has no such type).
 MPI_NATIVE = frozenset(SUPPORTED) - {"float16", "bfloat16"}
-_WIDER = {"float16": "float32", "bfloat16": "float32", "int16": "int32"}
+_WIDER = {"float16": "float32", "bfloat16": "float32", "int16": "int32", "uint16": "int32"}
 
 
 def accumulator(dtype: str, average: bool, native: frozenset[str] = MPI_NATIVE) -> np.dtype:
     """The numpy dtype in which a reduction of ``dtype`` is computed (see the module table),
     by a backend that reduces the dtypes in ``native`` as they are (default: MPI's): bool as 0/1
-    uint8, an integer Average in int64 (the floor of the exact mean needs the exact sum), a dtype
-    the backend lacks in the next wider one (float16, bfloat16 -> float32; int16 -> int32, whose
-    sums modulo 2**16 are the wrapped int16 sums), everything else in itself."""
+    uint8, an integer Average in int64 (the floor of the exact mean needs the exact sum; uint64's
+    in itself), a dtype the backend lacks in the next wider one (float16, bfloat16 -> float32;
+    int16, uint16 -> int32, whose sums modulo 2**16 are the wrapped 16-bit sums), everything else
+    in itself."""
     if dtype == "bool":
         return np.dtype(np.uint8)
-    if average and dtype in INTEGER:
+    if average and dtype in INTEGER and dtype != "uint64":
         return np.dtype(np.int64)
     if dtype not in native:
         return NUMPY_DTYPES[_WIDER[dtype]]

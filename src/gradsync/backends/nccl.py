@@ -36,10 +36,10 @@ _COPY_DTYPES = {1: "uint8", 2: "float16", 4: "int32", 8: "int64"}
 
 
 def traits(version: tuple[int, int, int] | None = None) -> Traits:
-    """What NCCL reduces natively: every dtype but int16 (16-bit floats in 16 bits, bool as 0/1
-    uint8), and from NCCL 2.10 on it averages floating dtypes itself (ncclAvg)."""
+    """What NCCL reduces natively: every dtype but the 16-bit integers (16-bit floats in 16 bits,
+    bool as 0/1 uint8), and from NCCL 2.10 on it averages floating dtypes itself (ncclAvg)."""
     averages = frozenset(dtypes.FLOATING) if nccl.averages("float32", version) else frozenset()
-    return Traits(frozenset(dtypes.SUPPORTED) - {"int16"}, averages)
+    return Traits(frozenset(dtypes.SUPPORTED) - {"int16", "uint16"}, averages)
 
 
 class NcclBackend:

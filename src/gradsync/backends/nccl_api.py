@@ -76,6 +76,8 @@ _DTYPES = MappingProxyType({
     "uint8": "ncclUint8",
     "int32": "ncclInt32",
     "int64": "ncclInt64",
+    "uint32": "ncclUint32",
+    "uint64": "ncclUint64",
     # 0/1 bytes; only max (logical or) and min (logical and) are meaningful, see nccl_op().
     "bool": "ncclUint8",
 })

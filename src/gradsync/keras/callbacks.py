@@ -13,6 +13,9 @@ from ..engine.protocol import ReduceOp
 from ..process import runtime
 from .optimizer import broadcast_variables
 
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback"]
+
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, give every rank ``root_rank``'s model and optimizer variables.
@@ -186,5 +189,5 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and runtime.get().rank == 0:  # as Horovod
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {logs['lr']:g}.")

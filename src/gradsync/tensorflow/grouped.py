@@ -18,7 +18,7 @@ import tensorflow as tf
 from .. import naming, ops
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression
-from .host_op import call_on_host, moved, restored
+from .host_op import call_on_host
 from .mpi_ops import _normalize_name as _normalize
 from .mpi_ops import (
     allgather_grad,
@@ -40,13 +40,13 @@ def _gathered(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSe
     groups = groups_by_dtype(tensors)
 
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
-        started = [(members, ops.grouped_allgather_async([moved(arrays[i]) for i in members],
+        started = [(members, ops.grouped_allgather_async([arrays[i] for i in members],
                                                          None if name is None else f"{name}.{dtype}",
                                                          process_set))
                    for dtype, members in groups.items()]
         results = {}
         for members, handle in started:  # every group submitted before any is waited on
-            results.update((i, restored(r, arrays[i])) for i, r in zip(members, handle.wait()))
+            results.update(zip(members, handle.wait()))
         return [results[i] for i in range(len(arrays))]
 
     return call_on_host("grouped_allgather", on_host, tensors, [t.dtype for t in tensors],
@@ -146,9 +146,9 @@ def _assign_broadcast(variables: list[Any], root_rank: int, prefix: str,
     names = naming.indexed(prefix, labels)
 
     def on_host(*arrays: np.ndarray) -> list[np.ndarray]:
-        handles = [ops.broadcast_async(moved(a), root_rank, name, process_set)
+        handles = [ops.broadcast_async(a, root_rank, name, process_set)
                    for name, a in zip(names, arrays)]
-        return [restored(handle.wait(), a) for handle, a in zip(handles, arrays)]
+        return [handle.wait() for handle in handles]
 
     results = call_on_host("broadcast", on_host, values, [v.dtype for v in values],
                            [v.shape for v in values], prefix)

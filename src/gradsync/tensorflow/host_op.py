@@ -187,23 +187,6 @@ def call_on_host(kind: str, on_host: Callable[..., list[np.ndarray]], inputs: Se
     return list(outputs)
 
 
-#: Unsigned dtypes TensorFlow has and gradsync's core does not: the collectives that only move
-#: data (allgather, broadcast, alltoall) move them as the signed dtype of the same width, bit for bit.
-_MOVED_AS = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}
-
-
-def moved(array: np.ndarray) -> np.ndarray:
-    """``array`` as the core can move it: a uint16/32/64 array viewed as int16/32/64 (no copy)."""
-    return array.view(_MOVED_AS[array.dtype]) if array.dtype in _MOVED_AS else array
-
-
-def restored(result: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """The moved ``result`` viewed in the dtype of ``like`` again."""
-    return result.view(like.dtype) if result.dtype != like.dtype else result
-
-
-
-
 def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
     """Horovod's integer scaling: ``array`` times ``factor`` in float64, truncated toward zero
     back to its dtype."""

@@ -48,7 +48,7 @@ from ..engine.protocol import ReduceOp
 from ..process import runtime
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression
-from .host_op import call_on_host, moved, restored, start_reduction, tf1_graph_number
+from .host_op import call_on_host, start_reduction, tf1_graph_number
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -164,7 +164,7 @@ def _allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet) -> 
     needs_rows(tensor, "allgather")
 
     def on_host(array: np.ndarray) -> list[np.ndarray]:
-        return [restored(ops.allgather(moved(array), name, process_set), array)]
+        return [ops.allgather(array, name, process_set)]
 
     return call_on_host("allgather", on_host, [tensor], [tensor.dtype], [[None] + tensor.shape[1:]],
                         name)[0]
@@ -176,8 +176,8 @@ def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None,
     needs_rows(tensor, "alltoall")
 
     def on_host(array: np.ndarray, *split: np.ndarray) -> list[np.ndarray]:
-        output, received = ops.alltoall(moved(array), split[0] if split else None, name, process_set)
-        return [restored(output, array), np.asarray(received, np.int32)]
+        output, received = ops.alltoall(array, split[0] if split else None, name, process_set)
+        return [output, np.asarray(received, np.int32)]
 
     inputs = [tensor] if splits is None else [tensor, splits]
     return tuple(call_on_host("alltoall", on_host, inputs, [tensor.dtype, tf.int32],
@@ -268,8 +268,8 @@ def _gathered_values(values: tf.Tensor, name: str | None, op: ReduceOp, process_
     name = collective_name(name, "allgather", values)
 
     def on_host(array: np.ndarray) -> list[np.ndarray]:
-        handle = ops.allgather_async(moved(array), name, process_set)
-        return [restored(handle.wait(), array), np.asarray(handle.divisor, np.int64)]
+        handle = ops.allgather_async(array, name, process_set)
+        return [handle.wait(), np.asarray(handle.divisor, np.int64)]
 
     @tf.custom_gradient
     def gather(x):
@@ -381,7 +381,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 
     def run(x: tf.Tensor) -> tf.Tensor:
         def on_host(array: np.ndarray) -> list[np.ndarray]:
-            return [restored(ops.broadcast(moved(array), root_rank, name, process_set), array)]
+            return [ops.broadcast(array, root_rank, name, process_set)]
         return call_on_host("broadcast", on_host, [x], [x.dtype], [x.shape], name)[0]
 
     @tf.custom_gradient
