@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..arrays import dtypes
 from ..arrays.adapter import TensorInfo, register
+from .views import numpy_view
 
 _NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
     torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
-    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+    torch.int32: "int32", torch.int64: "int64", torch.uint16: "uint16", torch.uint32: "uint32",
+    torch.uint64: "uint64", torch.bool: "bool",
 }
 
 
@@ -30,11 +31,7 @@ class TorchAdapter:
                           tuple(x.shape), "cpu" if x.is_cpu else str(x.device))
 
     def host_view(self, x: torch.Tensor) -> np.ndarray:
-        if x.requires_grad:
-            x = x.detach()
-        if x.dtype == torch.bfloat16:
-            return x.view(torch.int16).numpy().view(dtypes.NUMPY_DTYPES["bfloat16"])
-        return x.numpy()
+        return numpy_view(x)
 
     def empty(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=like.dtype, device=like.device)

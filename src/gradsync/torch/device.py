@@ -13,12 +13,15 @@ import numpy as np
 import torch
 
 from ..arrays import dtypes
+from .views import numpy_view
 
 _TORCH_DTYPES = {np.dtype(np.float16): torch.float16,  # bfloat16: torch_dtype (no ml_dtypes import here)
                  np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
                  np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
                  np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool}
+                 np.dtype(np.int64): torch.int64, np.dtype(np.uint16): torch.uint16,
+                 np.dtype(np.uint32): torch.uint32, np.dtype(np.uint64): torch.uint64,
+                 np.dtype(np.bool_): torch.bool}
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -111,7 +114,7 @@ class TorchDevice:
 
     def pinned(self, dtype: np.dtype, count: int) -> np.ndarray:
         tensor = torch.empty(count, dtype=torch_dtype(dtype), pin_memory=True)
-        return _numpy_view(tensor, dtype)
+        return numpy_view(tensor)
 
     def to_host(self, source: torch.Tensor, target: np.ndarray) -> None:
         _host_tensor(target).copy_(source, non_blocking=True)
@@ -121,12 +124,6 @@ class TorchDevice:
 
     def keep_alive(self, array: Any, stream: torch.cuda.Stream) -> None:
         array.record_stream(stream)
-
-
-def _numpy_view(tensor: torch.Tensor, dtype: np.dtype) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(dtype)
-    return tensor.numpy()
 
 
 def _host_tensor(array: np.ndarray) -> torch.Tensor:

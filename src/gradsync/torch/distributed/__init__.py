@@ -195,14 +195,14 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     from .store import rendezvous_store
 
     runtime.init()
+    rt = runtime.get()
     wait = kwargs.get("timeout")
     try:  # no rank waits forever in the store's collective set-up for a rank that never comes
-        rt = runtime.get()
         await_ranks(rt.control, rt.rank, list(range(rt.size)),
                     None if wait is None else wait.total_seconds(), "init_process_group")
     except TimeoutError as error:
         raise dist.DistStoreError(str(error)) from error
-    store = rendezvous_store(runtime.get())  # collective: before anything that may raise on one rank
+    store = rendezvous_store(rt)  # collective: before anything that may raise on one rank
     query = {key: int(values[0]) for key, values in parse_qs(urlparse(url).query).items()
              if key in ("rank", "world_size")}
     rank, size = runtime.rank(), runtime.size()

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
+from ..views import numpy_view
 from .movement import host
 from .work import Completer, FutureWork
 
 
 def _bytes(tensor: torch.Tensor) -> Any:
     """A numpy uint8 view of the contiguous ``tensor``'s memory (any dtype, bfloat16 and bool too)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    return numpy_view(tensor.reshape(-1).view(torch.uint8))
 
 
 class PointToPoint:

@@ -58,6 +58,12 @@ Pending = Any
 #: Turns the handles' results (in the order of the pending list) into the future's value.
 Finish = Callable[[list[Any]], list[torch.Tensor]]
 
+class WaitTimeout(dist.DistBackendError, TimeoutError):
+    """``Work.wait(timeout)`` ran out: a ``torch.distributed.DistBackendError`` (a RuntimeError, as
+    gloo's "Operation timed out!" is, so ``except RuntimeError`` written for gloo catches it) and a
+    ``TimeoutError``. The collective stays pending: a later ``wait()`` still completes it."""
+
+
 #: How many completed Works stay referenced on torch < 2.13 (see the module docstring); 0 elsewhere.
 KEEP_ALIVE = 256 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13) else 0
 
@@ -159,7 +165,8 @@ class FutureWork(dist.Work):
         Without a timeout, a call no other thread has taken is finished in this thread.
 
         Raises:
-            TimeoutError: a finite, positive ``timeout`` (a timedelta or seconds) passed first.
+            WaitTimeout: a finite, positive ``timeout`` (a timedelta or seconds) passed first (a
+                DistBackendError and a TimeoutError; the collective stays pending).
         """
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         bounded = seconds is not None and seconds > 0
@@ -170,7 +177,10 @@ class FutureWork(dist.Work):
             finished = threading.Event()
             self._future.add_done_callback(lambda _: finished.set())
             if not finished.wait(seconds):
-                raise TimeoutError(f"gradsync: the collective did not finish within {seconds} s")
+                from ...process import runtime
+
+                raise WaitTimeout(f"gradsync: rank {runtime.rank()}: the collective did not finish "
+                                  f"within {seconds} s (Work.wait's timeout; it stays pending)")
         try:
             self._future.wait()
         except RuntimeError:

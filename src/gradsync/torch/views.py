@@ -1,0 +1,53 @@
+"""numpy views of torch tensors' memory that leave the tensor as it was (:func:`numpy_view`), for
+the torch adapter, its device runtime and torch.distributed's messages."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from ..arrays import dtypes
+
+#: numpy's dtype of each torch dtype that numpy_view takes (bfloat16 added on first use: ml_dtypes').
+_NUMPY: dict[torch.dtype, np.dtype] = {
+    getattr(torch, name): np.dtype(name) for name in (
+        "float16", "float32", "float64", "complex64", "complex128", "bool", "uint8", "int8",
+        "int16", "int32", "int64", "uint16", "uint32", "uint64")}
+
+
+def numpy_view(x: torch.Tensor) -> np.ndarray:
+    """A numpy array on the memory of ``x`` (a CPU tensor, or pinned host memory, of any shape and
+    strides): the same shape, strides and values, bfloat16 as ml_dtypes' bfloat16, writes visible in
+    ``x``; it keeps ``x`` alive. Unlike ``Tensor.numpy()``, it leaves ``x``'s storage resizable:
+    torch marks a storage that ``numpy()`` has seen as not resizable for good, and code that resizes
+    a tensor it passed to a collective (DDP's buckets in torch's batched PowerSGD hook, a buffer
+    freed with ``untyped_storage().resize_(0)``) then fails, where gloo leaves it as it was.
+
+    Raises:
+        RuntimeError, TypeError: as ``Tensor.numpy()`` raises them, for a tensor it refuses (a CUDA
+            or sparse tensor, a conjugate or negative view, a dtype numpy lacks), naming the fix.
+    """
+    dtype = _NUMPY.get(x.dtype)
+    if dtype is None and x.dtype == torch.bfloat16:
+        dtype = _NUMPY[torch.bfloat16] = dtypes.NUMPY_DTYPES["bfloat16"]
+    if dtype is None or not x.is_cpu or x.layout is not torch.strided or x.is_conj() or x.is_neg():
+        return x.detach().numpy()  # raises, naming the fix
+    if x.is_contiguous():
+        span = x.nbytes
+        if span == 0:
+            return np.empty(x.shape, dtype)
+        memory = (ctypes.c_char * span).from_address(x.data_ptr())
+        memory.tensor = x  # the array's base keeps the tensor, and so its storage, alive
+        return np.ndarray(x.shape, dtype, memory)
+    item = dtype.itemsize
+    shape, strides = x.shape, x.stride()
+    span = item  # bytes from the first element to the end of the last
+    for size, stride in zip(shape, strides):
+        if size == 0:
+            return np.empty(shape, dtype)
+        span += (size - 1) * stride * item
+    memory = (ctypes.c_char * span).from_address(x.data_ptr())
+    memory.tensor = x
+    return np.ndarray(shape, dtype, memory, 0, [stride * item for stride in strides])
