@@ -58,6 +58,7 @@ Pending = Any
 #: Turns the handles' results (in the order of the pending list) into the future's value.
 Finish = Callable[[list[Any]], list[torch.Tensor]]
 
+
 class WaitTimeout(dist.DistBackendError, TimeoutError):
     """``Work.wait(timeout)`` ran out: a ``torch.distributed.DistBackendError`` (a RuntimeError, as
     gloo's "Operation timed out!" is, so ``except RuntimeError`` written for gloo catches it) and a
