@@ -174,21 +174,7 @@ def test_allreduce_scale_factors_of_exactly_one_are_accepted_on_any_dtype(case, 
     assert_array(got, reference_allreduce(inputs, Sum))
 
 
-# ---- the wider unsigned integers ------------------------------------------------------------------
-
-@pytest.mark.parametrize(("dtype", "op"), dtype_op_params(UNSIGNED))
-def test_allreduce_of_unsigned_integers_out_of_place_in_place_and_fused(case, rank, dtype, op):
-    """uint16/32/64 (Keras 3 keeps its seed state in uint32 variables on jax): every op, exact,
-    Average the floor of the mean; uint16 travels in int32 where the backend lacks it (NCCL)."""
-    inputs = all_inputs(case, dtype, (5,), op)
-    inplace = inputs[rank].copy()
-    handles = [gs.allreduce_async(inputs[rank], name=case, op=op),
-               gs.allreduce_async_(inplace, name=case + "_", op=op)]
-    want = reference_allreduce(inputs, op)
-    for got in [gs.synchronize(h) for h in handles]:
-        assert_array(got, want)
-    assert_array(inplace, want)
-
+# ---- the wider unsigned integers (every op on them: the tests over DTYPES above) -----------------
 
 @pytest.mark.parametrize("dtype", UNSIGNED)
 def test_unsigned_integers_are_moved_bit_for_bit_up_to_their_largest_value(case, rank, size, dtype):

@@ -131,7 +131,7 @@ def test_broadcast_gives_every_rank_the_roots_tensor(where, rank, size, case):
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_unsigned_dtypes_the_core_lacks_are_moved_bit_for_bit(where, rank, size):
+def test_unsigned_dtypes_are_moved_bit_for_bit(where, rank, size):
     mine = np.array([[65535 - rank, rank]], np.uint16)
     gathered = run(where, lambda x: hvd.allgather(x), tf.constant(mine))
     close(gathered, np.array([[65535 - r, r] for r in range(size)], np.uint16))

@@ -7,14 +7,7 @@ import numpy as np
 import torch
 
 from ..arrays.adapter import TensorInfo, register
-from .views import numpy_view
-
-_NAMES = {
-    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
-    torch.int32: "int32", torch.int64: "int64", torch.uint16: "uint16", torch.uint32: "uint32",
-    torch.uint64: "uint64", torch.bool: "bool",
-}
+from .views import DTYPE_NAMES, numpy_view
 
 
 class TorchAdapter:
@@ -27,7 +20,7 @@ class TorchAdapter:
                             "gradients, use DistributedOptimizer(..., sparse_as_dense=True)")
         # (the name's fallback and the device string made only where needed: each torch
         # attribute read is a C++ call, and this runs on every op)
-        return TensorInfo(_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch."),
+        return TensorInfo(DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch."),
                           tuple(x.shape), "cpu" if x.is_cpu else str(x.device))
 
     def host_view(self, x: torch.Tensor) -> np.ndarray:

@@ -10,11 +10,14 @@ import torch
 
 from ..arrays import dtypes
 
-#: numpy's dtype of each torch dtype that numpy_view takes (bfloat16 added on first use: ml_dtypes').
-_NUMPY: dict[torch.dtype, np.dtype] = {
-    getattr(torch, name): np.dtype(name) for name in (
-        "float16", "float32", "float64", "complex64", "complex128", "bool", "uint8", "int8",
-        "int16", "int32", "int64", "uint16", "uint32", "uint64")}
+#: gradsync's name of each torch dtype it moves (the torch adapter's dtype names; the numpy dtype of
+#: a name is :data:`gradsync.arrays.dtypes.NUMPY_DTYPES`'s, bfloat16 ml_dtypes').
+DTYPE_NAMES = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
+    torch.int32: "int32", torch.int64: "int64", torch.uint16: "uint16", torch.uint32: "uint32",
+    torch.uint64: "uint64", torch.bool: "bool",
+}
 
 
 def numpy_view(x: torch.Tensor) -> np.ndarray:
@@ -28,12 +31,12 @@ def numpy_view(x: torch.Tensor) -> np.ndarray:
     Raises:
         RuntimeError, TypeError: as ``Tensor.numpy()`` raises them, for a tensor it refuses (a CUDA
             or sparse tensor, a conjugate or negative view, a dtype numpy lacks), naming the fix.
+            (A dtype gradsync does not move, complex for one, gets ``Tensor.numpy()``'s view.)
     """
-    dtype = _NUMPY.get(x.dtype)
-    if dtype is None and x.dtype == torch.bfloat16:
-        dtype = _NUMPY[torch.bfloat16] = dtypes.NUMPY_DTYPES["bfloat16"]
-    if dtype is None or not x.is_cpu or x.layout is not torch.strided or x.is_conj() or x.is_neg():
-        return x.detach().numpy()  # raises, naming the fix
+    name = DTYPE_NAMES.get(x.dtype)
+    if name is None or not x.is_cpu or x.layout is not torch.strided or x.is_conj() or x.is_neg():
+        return x.detach().numpy()  # torch's own view of a dtype gradsync does not move; else raises
+    dtype = dtypes.NUMPY_DTYPES[name]
     if x.is_contiguous():
         span = x.nbytes
         if span == 0:
